@@ -1,0 +1,305 @@
+"""Is the fused LoRA layer nearly free? lorafuse vs PEFT's LoRA Linear vs the frozen base linear.
+
+    python benchmarks/bench_lora_layer.py                 # checks, then the issue's table
+    python benchmarks/bench_lora_layer.py --sweep         # also time GEMM tile configs vs cuBLAS
+    python benchmarks/bench_lora_layer.py --no-compiled   # skip torch.compile of PEFT (slow to build)
+
+Providers: base (the frozen nn.Linear alone: the floor), peft, peft_compiled, lorafuse
+(`lorafuse.fuse` on the same PeftModel: defaults, PEFT's float32 adapters computed exactly),
+lorafuse_fast (LORAFUSE_ADAPTER_MATH=fast: adapter products in bf16), and lorafuse_triton /
+lorafuse_cublas (the two GEMM back-ends forced). bf16, r=16, 8192 tokens, forward and
+forward+backward (frozen base weight, input requiring grad); decode sizes forward only.
+Rows go to benchmarks/results/lora_layer.csv (and $OUT when set); ratio = time / base time.
+"""
+import argparse
+import copy
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import environment, time_ms, write_rows  # noqa: E402
+
+import lorafuse  # noqa: E402
+from lorafuse.ops import lora_linear_reference  # noqa: E402
+from lorafuse.ops.lora_linear import lora_linear  # noqa: E402
+from lorafuse.ops.lora_matmul import lora_matmul  # noqa: E402
+
+TRAIN_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
+TOKENS = 8192
+RANK = 16
+
+
+class One(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.proj = nn.Linear(k, n, bias=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def peft_model(k, n, p, dtype):
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(One(k, n).cuda().to(dtype), LoraConfig(r=RANK, lora_alpha=32, lora_dropout=p,
+                                                                   target_modules=["proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.02)  # a real adapter path, not an exact no-op
+    return model
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check_correctness():
+    """Kernels vs the float64 reference: fp32 tight; bf16 within 2x PyTorch's own bf16 error."""
+    torch.manual_seed(0)
+    failures = []
+    M, K, N, r = 1023, 1000, 1500, 16
+    for gemm in ("triton", "cublas"):
+        for p in (0.0, 0.1):
+            for act in ("identity", "silu"):
+                for dtype, adapter_dtype in ((torch.float32, None), (torch.bfloat16, None),
+                                             (torch.bfloat16, torch.float32)):  # PEFT's default: fp32 adapters
+                    for rows in (M, 7):
+                        x = torch.randn(rows, K, device="cuda")
+                        w, b = torch.randn(N, K, device="cuda") / K ** 0.5, torch.randn(N, device="cuda")
+                        A, B = torch.randn(r, K, device="cuda") / K ** 0.5, torch.randn(N, r, device="cuda") * 0.1
+                        g = torch.randn(rows, N, device="cuda")
+                        seed = torch.tensor([987654321], device="cuda")
+
+                        def run(fn, dt, **kw):
+                            adt = adapter_dtype if adapter_dtype and dt != torch.float64 else dt
+                            leaves = [t.to(d).requires_grad_() for t, d in ((x, dt), (b, dt), (A, adt), (B, adt))]
+                            xx, bb, AA, BB = leaves
+                            y = fn(xx, w.to(dt), bb, AA, BB, 0.5, p, act, seed, **kw)
+                            return [y] + list(torch.autograd.grad(y, leaves, g.to(dt)))
+
+                        ref = run(lora_linear_reference, torch.float64)
+                        got = run(lora_linear, dtype, gemm=gemm)
+                        plain = run(lora_linear_reference, dtype)
+                        for name, o, t, pl in zip(("y", "dx", "dbias", "dA", "dB"), got, ref, plain):
+                            e, e_torch = rel_err(o, t), rel_err(pl, t)
+                            bound = 1e-5 if dtype == torch.float32 else 2 * e_torch + 1e-6
+                            if not (e <= bound):  # NaN fails here too
+                                failures.append(f"{gemm} p={p} {act} {dtype}/{adapter_dtype} M={rows} {name}: "
+                                                f"{e:.2e} > {bound:.2e}")
+    # One CUDA-graph capture of forward+backward replays what eager computed.
+    layer = lorafuse.LoraLinear(nn.Linear(1000, 1500).cuda().to(torch.bfloat16), r=16, lora_alpha=32)
+    nn.init.normal_(layer.lora_B["default"].weight, std=0.02)
+    x = torch.randn(512, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(512, 1500, device="cuda", dtype=torch.bfloat16)
+    eager = torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
+    graph.replay()
+    torch.cuda.synchronize()
+    for e, c in zip(eager, captured):
+        if not torch.equal(e, c):
+            failures.append(f"CUDA graph replay differs from eager: {rel_err(c, e):.2e}")
+    print("correctness:", "all passed" if not failures else f"{len(failures)} FAILED")
+    for f in failures:
+        print("  FAIL", f)
+    return not failures
+
+
+def sweep_configs():
+    """lora_matmul tile configs vs cuBLAS on the training shapes (forward y and backward dx)."""
+    configs = [(128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
+               (128, 256, 128, 8, 8, 2)]
+    print("\nGEMM sweep: ms (ratio to cuBLAS)")
+    for k, n in TRAIN_SHAPES:
+        x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        A = torch.randn(RANK, k, device="cuda", dtype=torch.bfloat16)
+        B = torch.randn(n, RANK, device="cuda", dtype=torch.bfloat16)
+        s = torch.randn(TOKENS, RANK, device="cuda")
+        seed = torch.tensor([1], device="cuda")
+        fwd_cublas = time_ms(lambda: x @ w.t())[0]
+        bwd_cublas = time_ms(lambda: g @ w)[0]
+        line = [f"K{k}_N{n}: cuBLAS fwd {fwd_cublas:.3f} bwd {bwd_cublas:.3f}"]
+        for cfg in configs:
+            for tma in (False, True):
+                try:
+                    f = time_ms(lambda: lora_matmul(x, w.t(), s, B.t(), 2.0, config=cfg, tma=tma))[0]
+                    b = time_ms(lambda: lora_matmul(g, w, s, A, 1.0, config=cfg, tma=tma))[0]
+                    line.append(f"  {cfg} tma={tma}: fwd {f:.3f} ({f / fwd_cublas:.2f}) "
+                                f"bwd {b:.3f} ({b / bwd_cublas:.2f})")
+                except Exception as exc:  # a config that does not fit shared memory
+                    line.append(f"  {cfg} tma={tma}: {type(exc).__name__} {str(exc)[:80]}")
+        print("\n".join(line))
+
+
+def breakdown():
+    """Each kernel of the layer alone (ms), against the passes it is meant to cost."""
+    from lorafuse.ops.lora_expand import lora_expand, lora_expand_backward
+    from lorafuse.ops.lora_shrink import lora_shrink, lora_shrink_backward
+    print("\nbreakdown (ms); 'pass' = one read or write of the [M, N] / [M, K] tensor at 4.1 TB/s")
+    for k, n in TRAIN_SHAPES:
+        x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16)
+        A = torch.randn(RANK, k, device="cuda", dtype=torch.bfloat16)
+        B = torch.randn(n, RANK, device="cuda", dtype=torch.bfloat16)
+        s = torch.randn(TOKENS, RANK, device="cuda")
+        y = torch.empty(TOKENS, n, device="cuda", dtype=torch.bfloat16)
+        dx = torch.empty_like(x)
+        seed = torch.tensor([1], device="cuda")
+        parts = {
+            "shrink": lambda: lora_shrink(x, A),
+            "shrink_p": lambda: lora_shrink(x, A, 0.05, seed),
+            "expand_prewrite": lambda: lora_expand(None, s, B, 2.0, out=y),
+            "expand_bwd": lambda: lora_expand_backward(g, None, s, B, 2.0),
+            "cublas_ds_dB": lambda: (g @ B, g.t() @ s.to(g.dtype)),
+            "shrink_bwd": lambda: lora_shrink_backward(s, x, A),
+            "shrink_bwd_p": lambda: lora_shrink_backward(s, x, A, 0.05, seed),
+            "shrink_bwd_dx": lambda: lora_shrink_backward(s, x, A, dx_out=dx),
+            "shrink_bwd_p_dx": lambda: lora_shrink_backward(s, x, A, 0.05, seed, dx_out=dx),
+        }
+        if (k, n) == (4096, 4096):  # launch-config sweep of the memory-bound kernels on one shape
+            for cfg in [(16, 128, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3), (32, 256, 8, 3), (16, 256, 4, 3)]:
+                parts[f"shrink{cfg}"] = lambda cfg=cfg: lora_shrink(x, A, config=cfg)
+                parts[f"shrink_p{cfg}"] = lambda cfg=cfg: lora_shrink(x, A, 0.05, seed, config=cfg)
+            for cfg in [(64, 128, 4, 3, 264), (128, 128, 8, 3, 264), (64, 64, 4, 3, 528), (32, 128, 4, 3, 528),
+                        (64, 256, 8, 3, 264)]:
+                parts[f"expand_bwd{cfg}"] = lambda cfg=cfg: lora_expand_backward(g, None, s, B, 2.0, config=cfg)
+            for cfg in [(64, 128, 4, 3, 264), (128, 64, 4, 3, 264), (64, 64, 4, 3, 528), (32, 128, 4, 3, 528),
+                        (64, 128, 8, 3, 528)]:
+                parts[f"shrink_bwd{cfg}"] = lambda cfg=cfg: lora_shrink_backward(s, x, A, config=cfg)
+                parts[f"shrink_bwd_p_dx{cfg}"] = lambda cfg=cfg: lora_shrink_backward(s, x, A, 0.05, seed, dx_out=dx,
+                                                                                       config=cfg)
+        mk, mn = TOKENS * k * 2 / 4.1e9, TOKENS * n * 2 / 4.1e9
+        print(f"K{k}_N{n}: pass MK {mk:.3f} MN {mn:.3f}")
+        for name, fn in parts.items():
+            print(f"    {name:40} {time_ms(fn)[0]:.3f}")
+
+
+def bench_training(env, compiled):
+    rows = []
+    for k, n in TRAIN_SHAPES:
+        for p in (0.0, 0.05):
+            shape = f"M{TOKENS}_K{k}_N{n}_r{RANK}_p{p}"
+            torch.manual_seed(0)
+            peft = peft_model(k, n, p, torch.bfloat16).train()
+            base = peft.base_model.model.proj.base_layer
+            fused = lorafuse.fuse(copy.deepcopy(peft)).train()
+            x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            gy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16)
+            providers = {"base": (base, {}), "peft": (peft, {}), "lorafuse": (fused, {}),
+                         "lorafuse_fast": (fused, {"LORAFUSE_ADAPTER_MATH": "fast"}),
+                         "lorafuse_triton": (fused, {"LORAFUSE_GEMM": "triton"}),
+                         "lorafuse_cublas": (fused, {"LORAFUSE_GEMM": "cublas"})}
+            if compiled:
+                providers["peft_compiled"] = (torch.compile(peft), {})
+            times = {}
+            for name, (model, settings) in providers.items():
+                os.environ.update(settings)
+                params = [x] + [q for q in model.parameters() if q.requires_grad]
+                times[(name, "fwd")] = time_ms(lambda: model(x))
+                times[(name, "fwd_bwd")] = time_ms(lambda: torch.autograd.grad(model(x), params, gy))
+                for key in settings:
+                    del os.environ[key]
+            for (name, mode), (med, p20, p80) in times.items():
+                flops = 2 * TOKENS * k * n * (2 if mode == "fwd_bwd" else 1)
+                rows.append(dict(env, bench="lora_layer", shape=shape, provider=name, mode=mode, median_ms=med,
+                                 p20_ms=p20, p80_ms=p80, metric="TFLOPs", value=flops / med / 1e9, baseline="base",
+                                 ratio=med / times[("base", mode)][0]))
+            del peft, fused, x, gy
+            torch.cuda.empty_cache()
+    return rows
+
+
+def capture(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def bench_decode(env):
+    # torch.compile would build one graph per rotated layer copy: decode compares eager PEFT only.
+    rows, k, n, copies = [], 4096, 4096, 8  # 8 layers x 32 MB of weights rotate past the L2
+    for m in (1, 16):
+        shape = f"M{m}_K{k}_N{n}_r{RANK}_p0.0"
+        peft = [peft_model(k, n, 0.0, torch.bfloat16).eval() for _ in range(copies)]
+        fused = [lorafuse.fuse(copy.deepcopy(p)) for p in peft]
+        providers = {"base": [p.base_model.model.proj.base_layer for p in peft], "peft": peft, "lorafuse": fused,
+                     "lorafuse_fast": fused}
+        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        times = {}
+        for name, models in providers.items():
+            step = [0]
+
+            def call():
+                i = step[0] = (step[0] + 1) % copies
+                return models[i](xs[i])
+
+            def call_all():
+                return [model(x) for model, x in zip(models, xs)]
+
+            if name == "lorafuse_fast":
+                os.environ["LORAFUSE_ADAPTER_MATH"] = "fast"
+            with torch.no_grad():
+                times[(name, "fwd")] = time_ms(call)
+                # The same calls replayed from a CUDA graph: GPU time without Python launch overhead.
+                graph = capture(call_all)
+                med, p20, p80 = time_ms(graph.replay)
+                times[(name, "fwd_graph")] = (med / copies, p20 / copies, p80 / copies)
+            os.environ.pop("LORAFUSE_ADAPTER_MATH", None)
+        for (name, mode), (med, p20, p80) in times.items():
+            rows.append(dict(env, bench="lora_layer", shape=shape, provider=name, mode=mode, median_ms=med,
+                             p20_ms=p20, p80_ms=p80, metric="GBps", value=k * n * 2 / med / 1e6, baseline="base",
+                             ratio=med / times[("base", mode)][0]))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--no-compiled", action="store_true")
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--breakdown", action="store_true")
+    args = parser.parse_args()
+    ok = True if args.no_check else check_correctness()
+    if args.sweep:
+        sweep_configs()
+    if args.breakdown:
+        breakdown()
+    env = environment()
+    rows = bench_training(env, not args.no_compiled) + bench_decode(env)
+    out_dirs = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")]
+    if os.environ.get("OUT"):
+        out_dirs.append(os.environ["OUT"])
+    write_rows(rows, "lora_layer", out_dirs)
+    print(f"\n{'shape':34} {'mode':9} " + " ".join(f"{p:>16}" for p in
+                                                   ("peft", "peft_compiled", "lorafuse", "lf_fast", "lf_triton",
+                                                    "lf_cublas")))
+    names = ("peft", "peft_compiled", "lorafuse", "lorafuse_fast", "lorafuse_triton", "lorafuse_cublas")
+    keys = sorted({(r["shape"], r["mode"]) for r in rows}, key=lambda t: (t[0].startswith("M1"), t))
+    for shape, mode in keys:
+        by = {r["provider"]: r for r in rows if r["shape"] == shape and r["mode"] == mode}
+        cells = [f"{by[p]['ratio']:6.3f}x {by[p]['median_ms']:7.3f}" if p in by else f"{'-':>16}" for p in names]
+        print(f"{shape:34} {mode:9} " + " ".join(cells))
+    print("(ratio to base, median ms)")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

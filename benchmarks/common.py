@@ -1,0 +1,42 @@
+"""What every benchmark shares: timing, environment tags and the results CSV of DESIGN.md."""
+import csv
+import datetime
+import os
+import shlex
+import sys
+
+import torch
+import triton
+
+COLUMNS = ["date", "gpu", "torch", "triton", "transformers", "bench", "shape", "provider", "mode", "median_ms",
+           "p20_ms", "p80_ms", "metric", "value", "baseline", "ratio", "command"]
+
+
+def environment():
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = "missing"
+    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name().replace(",", " "),
+            "torch": torch.__version__, "triton": triton.__version__, "transformers": tf_version,
+            "command": " ".join(["python"] + [shlex.quote(a) for a in sys.argv])}
+
+
+def time_ms(fn, rep_ms=200):
+    """(median, p20, p80) in ms over CUDA events, after warm-up; the caller rotates inputs."""
+    med, p20, p80 = triton.testing.do_bench(fn, warmup=50, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return med, p20, p80
+
+
+def write_rows(rows, bench, out_dirs):
+    """Append rows (dicts with the COLUMNS) to <dir>/<bench>.csv for each dir."""
+    for out_dir in out_dirs:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"{bench}.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)

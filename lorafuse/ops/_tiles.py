@@ -1,0 +1,43 @@
+"""Small helpers shared by the kernels' launchers: rank padding and dot precisions."""
+import os
+
+import torch
+import triton
+
+ADAPTER_MATH = ("exact", "fast")
+
+
+def padded_rank(r: int) -> int:
+    # tl.dot needs every dimension >= 16 and a power of two.
+    return max(16, triton.next_power_of_2(r))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently drop to tf32: the fp32 path is the exact one.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def adapter_math() -> str:
+    """LORAFUSE_ADAPTER_MATH: "exact" (default) computes float32 adapters on a 16-bit base in
+    fp32-class precision, as PEFT does; "fast" rounds them to the base's dtype in-kernel."""
+    mode = os.environ.get("LORAFUSE_ADAPTER_MATH", "exact")
+    if mode not in ADAPTER_MATH:
+        raise ValueError(f"LORAFUSE_ADAPTER_MATH={mode!r} is not one of {', '.join(ADAPTER_MATH)}")
+    return mode
+
+
+def lora_in_fp32(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> bool:
+    """Whether the rank-r products run in fp32 (as PEFT runs the adapter path in the adapters'
+    dtype: float32 adapters on a bf16/fp16 base keep float32 precision there)."""
+    if x_dtype == torch.float32:
+        return True
+    return adapter_dtype == torch.float32 and adapter_math() == "exact"
+
+
+def lora_precision(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> str:
+    """tl.dot precision of the rank-r products. float32 adapters on a 16-bit base use three
+    tf32 tensor-core passes (fp32-class accuracy; plain fp32 FMA dots measured 4-8x slower
+    than the whole layer's budget); all-float32 inputs stay exact fp32."""
+    if x_dtype == torch.float32:
+        return "ieee"
+    return "tf32x3" if lora_in_fp32(x_dtype, adapter_dtype) else "tf32"

@@ -1,0 +1,105 @@
+"""Dropout masks drawn inside kernels from a seed: Philox4x32, 16-bit keep decisions.
+
+A mask element depends only on (seed, row, column), never on tile sizes, so the forward
+shrink, the backward dA kernel and the dx epilogue all redraw the same mask without storing
+it. One Philox call yields 128 random bits, i.e. eight 16-bit draws for eight neighbouring
+columns; that keeps the generator off the critical path of memory-bound kernels.
+
+The drop probability is rounded to a multiple of 1/65536 (at most 7.6e-6 away from the
+requested p); kept values are scaled by 1/(1 - p_effective), so the expectation is exact.
+`keep_mask_reference` is the same generator in plain PyTorch (int64 arithmetic).
+"""
+import torch
+import triton
+import triton.language as tl
+
+KEEP_BITS = 16
+DRAWS_PER_CALL = 8  # 4 words x 32 bits / 16 bits
+PHILOX_ROUNDS = 7  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11); 10 only adds margin, at 40% more cost
+
+_KEY_A, _KEY_B, _ROUND_A, _ROUND_B = 0x9E3779B9, 0xBB67AE85, 0xD2511F53, 0xCD9E8D57
+PHILOX_KEY_A = tl.constexpr(_KEY_A)
+PHILOX_KEY_B = tl.constexpr(_KEY_B)
+PHILOX_ROUND_A = tl.constexpr(_ROUND_A)
+PHILOX_ROUND_B = tl.constexpr(_ROUND_B)
+_MASK32 = 0xFFFFFFFF
+
+
+def drop_threshold(p: float) -> int:
+    """Integer threshold t: an element is kept when its 16-bit draw is >= t."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
+    return round(p * (1 << KEEP_BITS))
+
+
+def keep_scale(p: float) -> float:
+    """1 / (1 - p_effective): the factor applied to kept elements."""
+    return (1 << KEEP_BITS) / ((1 << KEEP_BITS) - drop_threshold(p))
+
+
+def new_seed(device) -> torch.Tensor:
+    """A fresh seed as a 1-element int64 tensor drawn from torch's generator on `device`.
+
+    Kept on the device so that kernels read it there: no host sync, and CUDA-graph replays
+    draw new masks (torch's CUDA generator is graph-safe)."""
+    return torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
+
+
+@triton.jit
+def _philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
+    for _ in tl.static_range(ROUNDS):
+        _c0 = c0
+        _c2 = c2
+        c0 = tl.umulhi(PHILOX_ROUND_B, _c2) ^ c1 ^ k0
+        c2 = tl.umulhi(PHILOX_ROUND_A, _c0) ^ c3 ^ k1
+        c1 = PHILOX_ROUND_B * _c2
+        c3 = PHILOX_ROUND_A * _c0
+        k0 = k0 + PHILOX_KEY_A
+        k1 = k1 + PHILOX_KEY_B
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def keep_tile(seed_ptr, rows, col_start, THRESHOLD, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr):
+    # rows: [BM] row indices; columns col_start .. col_start + BLOCK_K (col_start % 8 == 0).
+    # Returns the [BM, BLOCK_K] keep mask of those elements.
+    seed = tl.load(seed_ptr).to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (seed >> 32).to(tl.uint32)
+    groups = (col_start // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.uint32)
+    c0 = tl.zeros([rows.shape[0], BLOCK_K // 8], tl.uint32) + groups[None, :]
+    c1 = tl.zeros([rows.shape[0], BLOCK_K // 8], tl.uint32) + rows.to(tl.uint32)[:, None]
+    zero = tl.zeros([rows.shape[0], BLOCK_K // 8], tl.uint32)
+    w0, w1, w2, w3 = _philox(c0, c1, zero, zero, k0, k1, ROUNDS)
+    # tl.join appends its new axis last, so column 8g + 4h + 2i + t takes half h of word 2t + i.
+    lo = tl.join(tl.join(w0 & 0xFFFF, w0 >> 16), tl.join(w1 & 0xFFFF, w1 >> 16))
+    hi = tl.join(tl.join(w2 & 0xFFFF, w2 >> 16), tl.join(w3 & 0xFFFF, w3 >> 16))
+    draws = tl.reshape(tl.join(lo, hi), [rows.shape[0], BLOCK_K])
+    return draws >= THRESHOLD
+
+
+def _mulhilo(a: torch.Tensor, b: int):
+    # a: uint32 values held in int64; returns (hi, lo) 32-bit words of a * b without overflow.
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    lo_part = a_lo * b
+    mid = a_hi * b + (lo_part >> 16)
+    return (mid >> 16) & _MASK32, (((mid & 0xFFFF) << 16) | (lo_part & 0xFFFF)) & _MASK32
+
+
+def keep_mask_reference(seed: int, n_rows: int, n_cols: int, p: float, device=None) -> torch.Tensor:
+    """The [n_rows, n_cols] keep mask that the kernels draw for `seed`, in plain PyTorch."""
+    groups = (n_cols + 7) // 8
+    c0 = torch.arange(groups, device=device, dtype=torch.int64).expand(n_rows, groups)
+    c1 = torch.arange(n_rows, device=device, dtype=torch.int64)[:, None].expand(n_rows, groups)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(PHILOX_ROUNDS):
+        hi_b, lo_b = _mulhilo(c2, _ROUND_B)
+        hi_a, lo_a = _mulhilo(c0, _ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + _KEY_A) & _MASK32
+        k1 = (k1 + _KEY_B) & _MASK32
+    words = torch.stack([c0, c2, c1, c3], dim=-1)  # [rows, groups, (i, t)]: word 2t + i at 2i + t
+    draws = torch.stack([words & 0xFFFF, words >> 16], dim=-2).reshape(n_rows, groups * 8)  # half h at 4h
+    return draws[:, :n_cols] >= drop_threshold(p)

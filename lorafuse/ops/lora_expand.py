@@ -1,0 +1,147 @@
+"""LoRA expand fused into the epilogue: y = act(base + scale * (s @ B^T) + bias), one pass over y.
+
+`base` is the frozen layer's output x W^T (from cuBLAS); without it the kernel writes
+scale * s B^T + bias alone, which cuBLAS then accumulates into (addmm with beta=1), so the
+adapter costs one write of y instead of a read and a write.
+Backward: one pass over dy gives ds = scale * g B, dB = scale * g^T s and dbias = sum(g),
+with g = dy * act'(z); g itself is written only when the activation is not the identity
+(the dx GEMM then needs it).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._tiles import lora_in_fp32, lora_precision, padded_rank
+from .activation import activate, activate_grad, activation_reference
+
+
+def lora_expand_reference(base, s, B, scale, bias=None, activation="identity"):
+    # base: [M, N] or None, s: [M, r], B: [N, r], bias: [N] -> act(z), z fp32
+    z = scale * (s.float() @ B.float().t())
+    if base is not None:
+        z = z + base.float()
+    if bias is not None:
+        z = z + bias.float()
+    return activation_reference(z, activation)
+
+
+@triton.jit
+def _expand_fwd(y_ptr, base_ptr, s_ptr, b_ptr, bias_ptr, z_ptr, M, N, rank, scale,
+                ACT: tl.constexpr, HAS_BASE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
+                LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                PRECISION: tl.constexpr):
+    # base, y, z: [M, N] contiguous; s: [M, rank] fp32; B: [N, rank] contiguous; bias: [N]
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, R)
+    b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :], mask=(cols[:, None] < N) & (ranks[None, :] < rank), other=0.0)
+    s = tl.load(s_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank), other=0.0)
+    cd = tl.float32 if LORA_FP32 else y_ptr.dtype.element_ty
+    z = scale * tl.dot(s.to(cd), tl.trans(b.to(cd)), input_precision=PRECISION)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    if HAS_BASE:
+        z += tl.load(base_ptr + offs, mask=mask).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + cols, mask=cols < N).to(tl.float32)[None, :]
+    if STORE_Z:
+        tl.store(z_ptr + offs, z.to(z_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, activate(z, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, dbias_part_ptr, M, N, rank, scale,
+                cols_per_split, ACT: tl.constexpr, STORE_G: tl.constexpr, STORE_DBIAS: tl.constexpr,
+                LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                PRECISION: tl.constexpr):
+    # dy, z, g: [M, N]; s: [M, rank] fp32; B: [N, rank]
+    # ds_part: [splits, M, rank], db_part: [row_blocks, rank, N] (dB transposed), dbias_part: [row_blocks, N] (fp32)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    ranks = tl.arange(0, R)
+    row_ok = rows < M
+    offs_rank_ok = ranks[None, :] < rank
+    s = tl.load(s_ptr + rows[:, None] * rank + ranks[None, :], mask=row_ok[:, None] & offs_rank_ok, other=0.0)
+    cd = tl.float32 if LORA_FP32 else dy_ptr.dtype.element_ty
+    s_t = tl.trans(s.to(cd))  # [R, BM], transposed once: dB^T = s^T g needs no transpose of g
+    ds = tl.zeros([BLOCK_M, R], tl.float32)
+    col_end = tl.minimum(N, (split + 1) * cols_per_split)
+    for n0 in range(split * cols_per_split, col_end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < col_end
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+        if ACT != 0:
+            g32 = dy.to(tl.float32) * activate_grad(tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32), ACT)
+            g = g32.to(dy.dtype)
+            if STORE_G:
+                tl.store(g_ptr + offs, g, mask=mask)
+        else:
+            g32 = dy.to(tl.float32)
+            g = dy
+        b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :], mask=col_ok[:, None] & offs_rank_ok, other=0.0)
+        # An fp32 adapter path sees the unrounded gradient (PEFT's float32 adapters do).
+        g_lora = g32.to(cd) if LORA_FP32 else g
+        ds = tl.dot(g_lora, b.to(cd), ds, input_precision=PRECISION)
+        db_t = tl.dot(s_t, g_lora, input_precision=PRECISION)
+        tl.store(db_part_ptr + tl.program_id(0) * N * rank + ranks[:, None] * N + cols[None, :], scale * db_t,
+                 mask=(ranks[:, None] < rank) & col_ok[None, :])
+        if STORE_DBIAS:
+            tl.store(dbias_part_ptr + tl.program_id(0) * N + cols, tl.sum(g32, axis=0), mask=col_ok)
+    tl.store(ds_part_ptr + split * M * rank + rows[:, None] * rank + ranks[None, :], scale * ds,
+             mask=row_ok[:, None] & offs_rank_ok)
+
+
+def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z=False):
+    """y = act(base + scale * s B^T + bias); returns (y, z) with z the pre-activation when store_z."""
+    # base: [M, N] contiguous or None, s: [M, r] fp32, B: [N, r]
+    M, N, r = s.shape[0], B.shape[0], B.shape[1]
+    dtype = base.dtype if base is not None else out.dtype if out is not None else B.dtype
+    fp32 = lora_in_fp32(dtype, B.dtype)
+
+    def new(dt=dtype):
+        return torch.empty(M, N, device=s.device, dtype=dt)
+
+    # The pre-activation is kept for act'(z) in backward, in fp32 when the adapter path is fp32
+    # (as PEFT differentiates it); else it overwrites base (same element, same program) and y
+    # gets its own buffer.
+    z = None
+    if store_z:
+        z = new(torch.float32) if fp32 else base if base is not None else new()
+    y = out if out is not None else base if base is not None and z is not base else new()
+    block_m = 64 if M > 32 else 16
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, 128))
+    _expand_fwd[grid](y, base, s, B.contiguous(), bias, z, M, N, r, scale, ACT=activation_id,
+                      HAS_BASE=base is not None, HAS_BIAS=bias is not None, STORE_Z=store_z, LORA_FP32=fp32,
+                      R=padded_rank(r), BLOCK_M=block_m, BLOCK_N=128,
+                      PRECISION=lora_precision(dtype, B.dtype), num_warps=4)
+    return y, z
+
+
+def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, config=None):
+    """One pass over dy: returns (g, ds, dB, dbias); g is dy when the activation is the identity.
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks)."""
+    # dy: [M, N] contiguous, z: [M, N] or None, s: [M, r] fp32, B: [N, r]
+    M, N, r = dy.shape[0], B.shape[0], B.shape[1]
+    block_m, block_n, warps, stages, programs = config or (
+        (128, 64, 4, 3, 264) if M >= 2048 else (64, 64, 4, 3, 264) if M > 32 else (16, 64, 4, 3, 264))
+    row_blocks = triton.cdiv(M, block_m)
+    splits = max(1, min(triton.cdiv(N, 512), triton.cdiv(programs, row_blocks)))
+    cols_per_split = triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
+    splits = triton.cdiv(N, cols_per_split)
+    store_g = activation_id != 0
+    fp32 = lora_in_fp32(dy.dtype, B.dtype)
+    g = torch.empty_like(dy) if store_g else dy
+    ds_part = torch.empty(splits, M, r, device=dy.device, dtype=torch.float32)
+    db_part = torch.empty(row_blocks, r, N, device=dy.device, dtype=torch.float32)
+    dbias_part = torch.empty(row_blocks, N, device=dy.device, dtype=torch.float32) if need_dbias else None
+    _expand_bwd[(row_blocks, splits)](
+        dy, z, s, B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale, cols_per_split,
+        ACT=activation_id, STORE_G=store_g, STORE_DBIAS=need_dbias, LORA_FP32=fp32, R=padded_rank(r),
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dy.dtype, B.dtype),
+        num_warps=warps, num_stages=stages)
+    ds = ds_part.sum(0) if splits > 1 else ds_part[0]
+    db = (db_part.sum(0) if row_blocks > 1 else db_part[0]).t()
+    dbias = dbias_part.sum(0) if need_dbias else None
+    return g, ds, db, dbias

@@ -1,0 +1,157 @@
+"""The fused LoRA linear op: y = act(x W^T + scale * (dropout(x) A^T) B^T + bias).
+
+`lora_linear` is the entry point: Triton kernels on CUDA (and on CPU under
+TRITON_INTERPRET=1), `lora_linear_reference` otherwise, with the reason logged once.
+
+Two back-ends for the frozen-weight GEMMs (x W^T forward, g W backward), chosen by the
+LORAFUSE_GEMM environment variable or the `gemm` argument:
+  "triton"  the GEMM is `lora_matmul` (TMA tiles on Hopper), with the rank-r term, bias and
+            activation in its epilogue: no pass over y, nor over dx without dropout;
+  "cublas"  cuBLAS, accumulating into a buffer that the adapter kernels pre-wrote
+            (addmm with beta=1): one extra write of y and of dx;
+  "auto"    the one measured faster for the shape (benchmarks/bench_lora_layer.py).
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .._logging import log_once
+from ._tiles import lora_in_fp32
+from .activation import activation_id, activation_reference
+from .dropout import drop_threshold, keep_mask_reference, keep_scale, new_seed
+from .lora_expand import lora_expand, lora_expand_backward
+from .lora_matmul import lora_matmul
+from .lora_shrink import lora_shrink, lora_shrink_backward
+
+GEMM_BACKENDS = ("auto", "triton", "cublas")
+FUSED_SHRINK_MAX_ROWS = 64  # up to here the shrink runs inside the GEMM's K-loop: one launch
+
+
+def lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activation="identity", seed=None):
+    # x: [..., K], weight: [N, K], bias: [N] or None, lora_A: [r, K], lora_B: [N, r], seed: int64 [1]
+    activation_id(activation)
+    xd = x
+    if dropout_p > 0.0:
+        x2 = x.reshape(-1, x.shape[-1])
+        keep = keep_mask_reference(int(seed), x2.shape[0], x2.shape[1], dropout_p, x.device)
+        xd = (x2 * keep * keep_scale(dropout_p)).reshape(x.shape)
+    # As PEFT: the adapter path runs in the adapters' dtype, the sum is cast back to x's dtype.
+    lora = F.linear(F.linear(xd.to(lora_A.dtype), lora_A), lora_B)
+    z = F.linear(x, weight, bias) + scale * lora
+    return activation_reference(z, activation).to(x.dtype)
+
+
+def _resolve_gemm(gemm, M, x_dtype, adapter_dtype):
+    gemm = gemm or os.environ.get("LORAFUSE_GEMM", "auto")
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"LORAFUSE_GEMM / gemm={gemm!r} is not one of {', '.join(GEMM_BACKENDS)}")
+    if gemm != "auto":
+        return gemm
+    # Measured on an H200 (benchmarks/results/lora_layer.csv): at training sizes cuBLAS plus
+    # the fused epilogue kernels beats the Triton GEMM; at decode sizes the single-launch
+    # Triton kernel (shrink in its K-loop) wins, unless its K-loop carries fp32 adapter math.
+    small = M <= FUSED_SHRINK_MAX_ROWS and not lora_in_fp32(x_dtype, adapter_dtype)
+    return "triton" if small else "cublas"
+
+
+def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, store_z):
+    """Returns (y, s, z): the output, the shrink s = dropout(x) A^T (fp32) and, with store_z, z."""
+    # x: [M, K] (unit column stride), weight: [N, K], lora_A: [r, K], lora_B: [N, r]
+    M = x.shape[0]
+    threshold, drop_scale = drop_threshold(dropout_p), keep_scale(dropout_p)
+    if gemm == "triton" and M <= FUSED_SHRINK_MAX_ROWS:
+        s = torch.empty(M, lora_A.shape[0], device=x.device, dtype=torch.float32)
+        y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, seed, threshold, drop_scale,
+                           shrink_weight=lora_A, mask_input=dropout_p > 0.0, store_z=store_z)
+        return y, s, z
+    s = lora_shrink(x, lora_A, dropout_p, seed)
+    if gemm == "triton":
+        y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, store_z=store_z, tma=True)
+    elif act == 0:
+        y, z = lora_expand(None, s, lora_B, scale, bias,
+                           out=torch.empty(M, weight.shape[0], device=x.device, dtype=x.dtype))
+        y.addmm_(x, weight.t())
+    else:
+        y, z = lora_expand(x @ weight.t(), s, lora_B, scale, bias, act, store_z=store_z)
+    return y, s, z
+
+
+class _LoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
+        y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm,
+                                 store_z=act != 0 and any(ctx.needs_input_grad[:5]))
+        ctx.save_for_backward(x, weight, lora_A, lora_B, s, seed, z)
+        ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm = scale, dropout_p, act, gemm
+        ctx.dtypes = (None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, lora_A, lora_B, s, seed, z = ctx.saved_tensors
+        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        p = ctx.dropout_p
+        g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, ctx.scale, ctx.act, need_bias)
+        dx = None
+        # The dropout mask in the GEMM epilogue spills registers (measured 1.6x+ slower), so
+        # with dropout dx takes the cuBLAS route even when the forward ran the Triton GEMM.
+        if need_x and ctx.gemm == "triton" and p == 0.0:
+            dA = lora_shrink_backward(ds, x, lora_A)
+            dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0, tma=True)
+        elif need_x:
+            dx = torch.empty_like(x)
+            dA = lora_shrink_backward(ds, x, lora_A, p, seed, dx_out=dx)
+            dx.addmm_(g, weight)
+        else:
+            dA = lora_shrink_backward(ds, x, lora_A, p, seed)
+        dW = g.t() @ x if need_w else None
+        bias_dtype, a_dtype, b_dtype = ctx.dtypes
+        return (dx, dW, dbias.to(bias_dtype) if need_bias else None, dA.to(a_dtype) if need_a else None,
+                dB.to(b_dtype) if need_b else None, None, None, None, None, None)
+
+
+def _kernel_unsupported(x, weight, lora_A):
+    """Why the kernels cannot take these inputs, or None."""
+    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "CPU tensors run the PyTorch reference (TRITON_INTERPRET=1 runs the Triton kernels on CPU)"
+    if x.device.type not in ("cuda", "cpu"):
+        return f"{x.device.type} tensors run the PyTorch reference"
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"{x.dtype} inputs run the PyTorch reference (kernels take float32, float16, bfloat16)"
+    if weight.dtype != x.dtype:
+        return f"input {x.dtype} and weight {weight.dtype} differ: the PyTorch reference runs"
+    if lora_A.shape[0] > 128:
+        return f"rank {lora_A.shape[0]} > 128 runs the PyTorch reference"
+    return None
+
+
+def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activation="identity", seed=None, gemm=None):
+    """Fused LoRA linear. `dropout_p` applies to the adapter path only (pass 0.0 in eval);
+    `seed` (int64 tensor [1] on x's device) fixes the mask, a fresh one is drawn when None."""
+    # x: [..., K], weight: [N, K], bias: [N] or None, lora_A: [r, K], lora_B: [N, r]
+    act = activation_id(activation)
+    if dropout_p > 0.0 and seed is None:
+        seed = new_seed(x.device)
+    if torch.is_autocast_enabled(x.device.type):
+        # Autocast (accelerate's mixed precision) computes every linear layer in its dtype, the
+        # adapters' too (PEFT's lora_A/lora_B under autocast); so do we. Casts are differentiable.
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight, lora_A, lora_B = x.to(dtype), weight.to(dtype), lora_A.to(dtype), lora_B.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    reason = _kernel_unsupported(x, weight, lora_A)
+    if reason is not None:
+        log_once(f"lorafuse.lora_linear: {reason}")
+        return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p, activation, seed)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    gemm = _resolve_gemm(gemm, x2.shape[0], x2.dtype, lora_A.dtype)
+    args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act, gemm)
+    with torch.autocast(x.device.type, enabled=False):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
+            y = _LoraLinear.apply(*args)
+        else:
+            y = _fused_forward(*args, store_z=False)[0]  # inference: no autograd node, less launch overhead
+    return y.view(*shape[:-1], weight.shape[0])

@@ -1,0 +1,139 @@
+"""LoRA shrink: s = dropout(x) @ A^T, the mask drawn in-kernel and never stored.
+
+Forward: one pass over x; s is kept in fp32 ([M, r] is tiny) for the expand and for dB.
+Backward: dA = ds^T @ dropout(x), redrawing the same mask from the seed; optionally it also
+writes dx_lora = keep * (ds @ A) * keep_scale, the adapter's share of dx, in the same pass
+(used when the dx GEMM runs on cuBLAS and adds into that buffer).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._tiles import lora_in_fp32, lora_precision, padded_rank
+from .dropout import PHILOX_ROUNDS, drop_threshold, keep_mask_reference, keep_scale, keep_tile
+
+
+def lora_shrink_reference(x, A, dropout_p=0.0, seed=None):
+    # x: [M, K], A: [r, K] -> s: [M, r] fp32
+    if dropout_p > 0.0:
+        x = x * keep_mask_reference(int(seed), x.shape[0], x.shape[1], dropout_p, x.device) * keep_scale(dropout_p)
+    return (x.float() @ A.float().t())
+
+
+@triton.jit
+def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_split, threshold, drop_scale,
+                HAS_DROPOUT: tl.constexpr, LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
+    # x: [M, K] (row stride stride_xm), A: [rank, K] contiguous, s: [splits, M, rank] fp32 partial
+    # sums over column splits of cols_per_split (a multiple of BLOCK_K)
+    # LORA_FP32: the product runs in fp32 (float32 adapters), else in x's 16-bit dtype
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    ranks = tl.arange(0, R)
+    acc = tl.zeros([BLOCK_M, R], tl.float32)
+    for k0 in range(split * cols_per_split, tl.minimum(K, (split + 1) * cols_per_split), BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                    mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+        if HAS_DROPOUT:
+            x = tl.where(keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS), x, 0.0)
+        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < rank) & (cols[None, :] < K), other=0.0)
+        cd = tl.float32 if LORA_FP32 else x.dtype
+        acc = tl.dot(x.to(cd), tl.trans(a.to(cd)), acc, input_precision=PRECISION)
+    if HAS_DROPOUT:
+        acc *= drop_scale
+    tl.store(s_ptr + split * M * rank + rows[:, None] * rank + ranks[None, :], acc,
+             mask=(rows[:, None] < M) & (ranks[None, :] < rank))
+
+
+@triton.jit
+def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank, stride_xm, rows_per_split,
+                threshold, drop_scale, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr, LORA_FP32: tl.constexpr,
+                R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
+    # x: [M, K], ds: [M, rank] fp32, A: [rank, K], dx: [M, K], da_part: [splits, rank, K] fp32
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    split = tl.program_id(1)
+    ranks = tl.arange(0, R)
+    col_ok = cols < K
+    if STORE_DX:
+        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < rank) & col_ok[None, :], other=0.0)
+    acc = tl.zeros([R, BLOCK_K], tl.float32)
+    row_end = tl.minimum(M, (split + 1) * rows_per_split)
+    for m0 in range(split * rows_per_split, row_end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        cd = tl.float32 if LORA_FP32 else x.dtype
+        ds = tl.load(ds_ptr + rows[:, None] * rank + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < rank),
+                     other=0.0).to(cd)
+        if HAS_DROPOUT:
+            keep = keep_tile(seed_ptr, rows, tl.program_id(0) * BLOCK_K, threshold, BLOCK_K, ROUNDS)
+            x = tl.where(keep, x, 0.0)
+        acc = tl.dot(tl.trans(ds), x.to(cd), acc, input_precision=PRECISION)
+        if STORE_DX:
+            dx = tl.dot(ds, a.to(cd), input_precision=PRECISION)
+            if HAS_DROPOUT:
+                dx = tl.where(keep, dx * drop_scale, 0.0)
+            tl.store(dx_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
+    if HAS_DROPOUT:
+        acc *= drop_scale
+    tl.store(da_part_ptr + split * rank * K + ranks[:, None] * K + cols[None, :], acc,
+             mask=(ranks[:, None] < rank) & col_ok[None, :])
+
+
+def _dropout_args(dropout_p):
+    return drop_threshold(dropout_p), keep_scale(dropout_p)
+
+
+def _shrink_config(M):
+    # (BLOCK_M, BLOCK_K, num_warps, num_stages): enough programs in flight to stream x.
+    # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16.
+    return (32, 128, 4, 4) if M > 16 else (16, 128, 4, 3)
+
+
+def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
+    """s = dropout(x) @ A^T in fp32. x: [M, K] with unit column stride, A: [r, K].
+    config: (BLOCK_M, BLOCK_K, num_warps, num_stages) overrides the default (benchmarks)."""
+    M, K = x.shape
+    r = A.shape[0]
+    block_m, block_k, warps, stages = config or _shrink_config(M)
+    # Few row blocks (decode) would leave one program walking all of K: split K instead.
+    row_blocks = triton.cdiv(M, block_m)
+    splits = max(1, min(triton.cdiv(K, block_k), 132 // row_blocks))
+    cols_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    splits = triton.cdiv(K, cols_per_split)
+    s = torch.empty(splits, M, r, device=x.device, dtype=torch.float32)
+    threshold, drop_scale = _dropout_args(dropout_p)
+    fp32 = lora_in_fp32(x.dtype, A.dtype)
+    _shrink_fwd[(row_blocks, splits)](
+        x, A.contiguous(), s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,
+        HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k,
+        ROUNDS=PHILOX_ROUNDS, PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps,
+        num_stages=stages)
+    return s.sum(0) if splits > 1 else s[0]
+
+
+def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None):
+    """dA = ds^T @ dropout(x) -> [r, K] fp32. With dx_out ([M, K]), also writes the adapter's dx.
+    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks)."""
+    # ds: [M, r] fp32, x: [M, K], A: [r, K]
+    M, K = x.shape
+    r = A.shape[0]
+    # Swept on an H200: with dx the mask and the extra store favour narrower row blocks.
+    default = (32, 128, 4, 3, 528) if dx_out is not None else (64, 64, 4, 3, 528)
+    block_m, block_k, warps, stages, programs = config or (default if M > 32 else (16, 64, 4, 3, 528))
+    k_blocks = triton.cdiv(K, block_k)
+    splits = max(1, min(triton.cdiv(M, 256), triton.cdiv(programs, k_blocks)))
+    rows_per_split = triton.cdiv(triton.cdiv(M, splits), block_m) * block_m
+    splits = triton.cdiv(M, rows_per_split)
+    da_part = torch.empty(splits, r, K, device=x.device, dtype=torch.float32)
+    threshold, drop_scale = _dropout_args(dropout_p)
+    fp32 = lora_in_fp32(x.dtype, A.dtype)
+    _shrink_bwd[(k_blocks, splits)](
+        x, ds, A.contiguous(), dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,
+        HAS_DROPOUT=dropout_p > 0.0, STORE_DX=dx_out is not None, LORA_FP32=fp32, R=padded_rank(r), BLOCK_M=block_m,
+        BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS, PRECISION=lora_precision(x.dtype, A.dtype),
+        num_warps=warps, num_stages=stages)
+    return da_part.sum(0) if splits > 1 else da_part[0]

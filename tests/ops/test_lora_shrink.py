@@ -1,0 +1,131 @@
+"""lora_shrink: s = dropout(x) @ A^T (fp32), and lora_shrink_backward: dA = ds^T @ dropout(x) and the
+adapter's dx = keep * (ds @ A) * keep_scale, against float64 and lora_shrink_reference."""
+import pytest
+import torch
+
+from lorafuse.ops.dropout import keep_mask_reference, keep_scale
+from lorafuse.ops.lora_shrink import lora_shrink, lora_shrink_backward, lora_shrink_reference
+from tests.ops._helpers import BIG_SEED, DTYPES, assert_close, dtype_id, poison, seed_tensor
+
+# (M, K, r): rows 1, 7, 113, 1023 (narrow); K not a multiple of the 64/128 column blocks
+# except 128 itself; ranks 1..64 (padded to 16 and 64 in the kernels).
+CASES = [(1, 48, 8), (7, 100, 1), (113, 48, 64), (113, 128, 8), (1023, 24, 8)]
+
+
+def case_id(case):
+    return "M{}_K{}_r{}".format(*case)
+
+
+def inputs(m, k, r, dtype):
+    return torch.randn(m, k).to(dtype), (torch.randn(r, k) / k**0.5).to(dtype)
+
+
+def keep_factor(m, k, p, seed):
+    """keep * keep_scale as float64 ([M, K]), or 1 without dropout."""
+    if p == 0.0:
+        return torch.ones(m, k, dtype=torch.float64)
+    return keep_mask_reference(seed, m, k, p).double() * keep_scale(p)
+
+
+def check_forward(x, A, p, seed, config=None):
+    m, k = x.shape
+    s = lora_shrink(x, A, p, seed_tensor(seed) if p > 0 else None, config=config)
+    assert s.dtype == torch.float32 and s.shape == (m, A.shape[0])
+    exact = (x.double() * keep_factor(m, k, p, seed)) @ A.double().t()
+    plain = lora_shrink_reference(x, A, p, seed)
+    assert_close(s, exact, x.dtype, plain, "s")
+    assert_close(plain, exact, x.dtype, plain, "lora_shrink_reference")  # the fallback path itself
+    return s
+
+
+def check_backward(x, A, p, seed, config=None):
+    # ds: [M, r] fp32, as lora_expand_backward returns it
+    m, k = x.shape
+    ds = torch.randn(m, A.shape[0])
+    seed_t = seed_tensor(seed) if p > 0 else None
+    factor = keep_factor(m, k, p, seed)
+    dA = lora_shrink_backward(ds, x, A, p, seed_t, config=config)
+    dx = poison(torch.empty_like(x))
+    dA_too = lora_shrink_backward(ds, x, A, p, seed_t, dx_out=dx, config=config)
+    assert dA.dtype == torch.float32 and dA.shape == A.shape
+    exact_dA = ds.double().t() @ (x.double() * factor)
+    exact_dx = (ds.double() @ A.double()) * factor
+    # PyTorch in x's dtype: ds rounded to it, as the kernel does.
+    dtype = x.dtype
+    plain_dA = ds.to(dtype).t() @ (x * factor.to(dtype))
+    plain_dx = (ds.to(dtype) @ A) * factor.to(dtype)
+    assert_close(dA, exact_dA, dtype, plain_dA, "dA")
+    assert_close(dA_too, exact_dA, dtype, plain_dA, "dA (with dx_out)")
+    assert_close(dx, exact_dx, dtype, plain_dx, "dx")
+    if p > 0:
+        # dropped elements are exactly zero: the kernel's mask is the reference mask
+        assert torch.equal(dx != 0, factor != 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_forward(case, p, dtype):
+    check_forward(*inputs(*case, dtype), p, BIG_SEED)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_backward(case, p, dtype):
+    check_backward(*inputs(*case, dtype), p, BIG_SEED)
+
+
+@pytest.mark.parametrize("seed", [0, 77, 2**62 - 1])
+def test_seeds(seed):
+    # low-word-only, small and full-width seeds draw the reference's mask
+    x, A = inputs(113, 100, 8, torch.float32)
+    check_forward(x, A, 0.3, seed)
+    check_backward(x, A, 0.3, seed)
+
+
+def test_mask_depends_on_seed():
+    x, A = inputs(113, 100, 8, torch.float32)
+    a, b = (lora_shrink(x, A, 0.3, seed_tensor(seed)) for seed in (1, 2))
+    assert torch.equal(a, lora_shrink(x, A, 0.3, seed_tensor(1)))
+    assert (a - b).abs().max() > 0.1
+
+
+def test_row_strided_input():
+    # x a column slice of a wider buffer: unit column stride, row stride > K.
+    wide = torch.randn(113, 160)
+    x = wide[:, 30:130]
+    assert not x.is_contiguous()
+    A = torch.randn(8, 100) / 10
+    check_forward(x, A, 0.1, BIG_SEED)
+    check_backward(x, A, 0.1, BIG_SEED)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_float32_adapter_with_half_input(dtype):
+    # PEFT's default: lora_A in float32, x in half precision. The bar is PEFT's computation,
+    # the adapter path in float32 (x upcast), dx cast to x's dtype.
+    m, k, r, p = 113, 100, 8, 0.1
+    x = torch.randn(m, k).to(dtype)
+    A = torch.randn(r, k) / k**0.5
+    factor = keep_factor(m, k, p, BIG_SEED)
+    s = lora_shrink(x, A, p, seed_tensor(BIG_SEED))
+    assert_close(s, (x.double() * factor) @ A.double().t(), dtype, (x.float() * factor.float()) @ A.t(), "s")
+    ds = torch.randn(m, r)
+    dx = poison(torch.empty_like(x))
+    dA = lora_shrink_backward(ds, x, A, p, seed_tensor(BIG_SEED), dx_out=dx)
+    assert dA.dtype == torch.float32 and dx.dtype == dtype
+    assert_close(dA, ds.double().t() @ (x.double() * factor), dtype, ds.t() @ (x.float() * factor.float()), "dA")
+    assert_close(dx, (ds.double() @ A.double()) * factor, dtype, ((ds @ A) * factor.float()).to(dtype), "dx")
+
+
+@pytest.mark.parametrize("forward_config, backward_config", [
+    ((16, 32, 4, 1), (16, 32, 4, 1, 8)),
+    ((64, 16, 4, 1), (32, 16, 4, 1, 1)),
+    ((16, 64, 4, 1), (64, 64, 4, 1, 100)),
+])
+def test_tiling_does_not_change_the_result(forward_config, backward_config):
+    # Other tiles and row splits (several partial dA sums, or one): same mask, same values.
+    x, A = inputs(300, 100, 8, torch.float32)
+    check_forward(x, A, 0.1, BIG_SEED, forward_config)
+    check_backward(x, A, 0.1, BIG_SEED, backward_config)
