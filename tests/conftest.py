@@ -6,6 +6,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from . import triton_interpreter  # noqa: E402,F401  (bf16 in the interpreter computes as on a GPU)
+
 
 @pytest.fixture(autouse=True)
 def _seed_torch():
