@@ -3,6 +3,7 @@
     python benchmarks/bench_lora_layer.py                 # checks, then the table
     python benchmarks/bench_lora_layer.py --sweep         # also time GEMM tile configs vs cuBLAS
     python benchmarks/bench_lora_layer.py --no-compiled   # skip torch.compile of PEFT (slow to build)
+    python benchmarks/bench_lora_layer.py --check-only    # correctness on the GPU, no timing
 
 Providers: base (the frozen nn.Linear alone: the floor), peft, peft_compiled, lorafuse
 (`lorafuse.fuse` on the same PeftModel: defaults, PEFT's float32 adapters computed exactly),
@@ -108,6 +109,12 @@ def check_correctness():
     for e, c in zip(eager, captured):
         if not torch.equal(e, c):
             failures.append(f"CUDA graph replay differs from eager: {rel_err(c, e):.2e}")
+    # Inside a torch.compile'd model (inductor) the layer gives eager's numbers.
+    model = nn.Sequential(nn.LayerNorm(1000).cuda().to(torch.bfloat16), layer)
+    eager = model(x)
+    torch._dynamo.reset()
+    if not torch.equal(torch.compile(model)(x), eager):
+        failures.append("torch.compile'd model differs from eager")
     print("correctness:", "all passed" if not failures else f"{len(failures)} FAILED")
     for f in failures:
         print("  FAIL", f)
@@ -126,7 +133,6 @@ def sweep_configs():
         A = torch.randn(RANK, k, device="cuda", dtype=torch.bfloat16)
         B = torch.randn(n, RANK, device="cuda", dtype=torch.bfloat16)
         s = torch.randn(TOKENS, RANK, device="cuda")
-        seed = torch.tensor([1], device="cuda")
         fwd_cublas = time_ms(lambda: x @ w.t())[0]
         bwd_cublas = time_ms(lambda: g @ w)[0]
         line = [f"K{k}_N{n}: cuBLAS fwd {fwd_cublas:.3f} bwd {bwd_cublas:.3f}"]
@@ -168,7 +174,8 @@ def breakdown():
             "shrink_bwd_p_dx": lambda: lora_shrink_backward(s, x, A, 0.05, seed, dx_out=dx),
         }
         if (k, n) == (4096, 4096):  # launch-config sweep of the memory-bound kernels on one shape
-            for cfg in [(16, 128, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3), (32, 256, 8, 3), (16, 256, 4, 3)]:
+            for cfg in [(16, 128, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3), (32, 256, 8, 3),
+                        (16, 256, 4, 3)]:
                 parts[f"shrink{cfg}"] = lambda cfg=cfg: lora_shrink(x, A, config=cfg)
                 parts[f"shrink_p{cfg}"] = lambda cfg=cfg: lora_shrink(x, A, 0.05, seed, config=cfg)
             for cfg in [(64, 128, 4, 3, 264), (128, 128, 8, 3, 264), (64, 64, 4, 3, 528), (32, 128, 4, 3, 528),
@@ -215,8 +222,6 @@ def bench_training(env, compiled):
                 rows.append(dict(env, bench="lora_layer", shape=shape, provider=name, mode=mode, median_ms=med,
                                  p20_ms=p20, p80_ms=p80, metric="TFLOPs", value=flops / med / 1e9, baseline="base",
                                  ratio=med / times[("base", mode)][0]))
-            del peft, fused, x, gy
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -276,8 +281,11 @@ def main():
     parser.add_argument("--no-compiled", action="store_true")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--check-only", action="store_true")
     args = parser.parse_args()
     ok = True if args.no_check else check_correctness()
+    if args.check_only:
+        sys.exit(0 if ok else 1)
     if args.sweep:
         sweep_configs()
     if args.breakdown:

@@ -47,7 +47,8 @@ class LoraLinear(nn.Module):
         self.r = {adapter_name: r}
         self.lora_alpha = {adapter_name: lora_alpha}
         self.scaling = {adapter_name: lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r}
-        self.lora_dropout = nn.ModuleDict({adapter_name: nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()})
+        dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
+        self.lora_dropout = nn.ModuleDict({adapter_name: dropout})
         like_base = {"device": base_layer.weight.device, "dtype": base_layer.weight.dtype}
         self.lora_A = nn.ModuleDict({adapter_name: nn.Linear(base_layer.in_features, r, bias=False, **like_base)})
         self.lora_B = nn.ModuleDict({adapter_name: nn.Linear(r, base_layer.out_features, bias=lora_bias, **like_base)})

@@ -12,6 +12,13 @@ def padded_rank(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
+def split_in_blocks(n: int, block: int, splits: int) -> tuple[int, int]:
+    """Cut a length n into at most `splits` chunks of whole blocks: (chunk length, chunks).
+    Launchers split a reduction this way to keep about two programs per SM busy."""
+    chunk = triton.cdiv(triton.cdiv(n, max(1, splits)), block) * block
+    return chunk, triton.cdiv(n, chunk)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs must not silently drop to tf32: the fp32 path is the exact one.
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -49,7 +49,8 @@ def _add_mul_act_bwd(grad_ptr, base_ptr, other_ptr, bias_ptr, dbase_ptr, dother_
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
     dz = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
     if ACT != 0:  # the pre-activation is recomputed, never stored
-        z = tl.load(base_ptr + offs, mask=mask).to(tl.float32) + scale * tl.load(other_ptr + offs, mask=mask).to(tl.float32)
+        z = tl.load(base_ptr + offs, mask=mask).to(tl.float32)
+        z += scale * tl.load(other_ptr + offs, mask=mask).to(tl.float32)
         if HAS_BIAS:
             z += tl.load(bias_ptr + cols, mask=cols < N).to(tl.float32)[None, :]
         dz = tl.where(mask, dz * activate_grad(z, ACT), 0.0)
@@ -88,7 +89,9 @@ class _AddMulAct(torch.autograd.Function):
         need_base, need_other, need_bias = ctx.needs_input_grad[:3]
         dbase = torch.empty_like(grad) if need_base else None
         dother = torch.empty_like(grad) if need_other else None
-        dbias_part = torch.empty(triton.cdiv(M, BLOCK_M), N, device=grad.device, dtype=torch.float32) if need_bias else None
+        dbias_part = None
+        if need_bias:
+            dbias_part = torch.empty(triton.cdiv(M, BLOCK_M), N, device=grad.device, dtype=torch.float32)
         _add_mul_act_bwd[_grid(M, N)](grad, base, other, bias, dbase, dother, dbias_part, M, N, ctx.scale,
                                      ACT=ctx.act, HAS_BIAS=ctx.has_bias, STORE_DBASE=need_base,
                                      STORE_DOTHER=need_other, STORE_DBIAS=need_bias,

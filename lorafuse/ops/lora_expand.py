@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import lora_in_fp32, lora_precision, padded_rank
+from ._tiles import lora_in_fp32, lora_precision, padded_rank, split_in_blocks
 from .activation import activate, activate_grad, activation_reference
 
 
@@ -34,8 +34,9 @@ def _expand_fwd(y_ptr, base_ptr, s_ptr, b_ptr, bias_ptr, z_ptr, M, N, rank, scal
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, R)
-    b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :], mask=(cols[:, None] < N) & (ranks[None, :] < rank), other=0.0)
-    s = tl.load(s_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank), other=0.0)
+    rank_ok = ranks[None, :] < rank
+    b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :], mask=(cols[:, None] < N) & rank_ok, other=0.0)
+    s = tl.load(s_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & rank_ok, other=0.0)
     cd = tl.float32 if LORA_FP32 else y_ptr.dtype.element_ty
     z = scale * tl.dot(s.to(cd), tl.trans(b.to(cd)), input_precision=PRECISION)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -127,9 +128,7 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     block_m, block_n, warps, stages, programs = config or (
         (128, 64, 4, 3, 264) if M >= 2048 else (64, 64, 4, 3, 264) if M > 32 else (16, 64, 4, 3, 264))
     row_blocks = triton.cdiv(M, block_m)
-    splits = max(1, min(triton.cdiv(N, 512), triton.cdiv(programs, row_blocks)))
-    cols_per_split = triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
-    splits = triton.cdiv(N, cols_per_split)
+    cols_per_split, splits = split_in_blocks(N, block_n, min(triton.cdiv(N, 512), triton.cdiv(programs, row_blocks)))
     store_g = activation_id != 0
     fp32 = lora_in_fp32(dy.dtype, B.dtype)
     g = torch.empty_like(dy) if store_g else dy

@@ -126,6 +126,7 @@ def _kernel_unsupported(x, weight, lora_A):
     return None
 
 
+@torch.compiler.disable  # compiled models call the kernels as they are (a graph break), never trace them
 def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activation="identity", seed=None, gemm=None):
     """Fused LoRA linear. `dropout_p` applies to the adapter path only (pass 0.0 in eval);
     `seed` (int64 tensor [1] on x's device) fixes the mask, a fresh one is drawn when None."""

@@ -77,19 +77,21 @@ def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr,
         if MASK_INPUT:
             low *= drop_scale
         if pid_n == 0:
-            tl.store(l_ptr + rows[:, None] * rank + ranks[None, :], low, mask=(rows[:, None] < M) & (ranks[None, :] < rank))
+            tl.store(l_ptr + rows[:, None] * rank + ranks[None, :], low,
+                     mask=(rows[:, None] < M) & (ranks[None, :] < rank))
     else:
         low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
                       other=0.0)
-    _epilogue(acc, low, rows, cols, pid_n * BLOCK_N, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale, threshold, drop_scale,
-              stride_rr, stride_rn, ACT, HAS_BIAS, MASK_OUTPUT, STORE_Z, LORA_FP32, R, BLOCK_N, ROUNDS, LORA_PRECISION)
+    _epilogue(acc, low, rows, cols, pid_n * BLOCK_N, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale,
+              threshold, drop_scale, stride_rr, stride_rn, ACT, HAS_BIAS, MASK_OUTPUT, STORE_Z, LORA_FP32, R,
+              BLOCK_N, ROUNDS, LORA_PRECISION)
 
 
 @triton.jit
-def _epilogue(acc, low, rows, cols, col_start, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale, threshold, drop_scale,
-              stride_rr, stride_rn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_OUTPUT: tl.constexpr,
-              STORE_Z: tl.constexpr, LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-              ROUNDS: tl.constexpr, LORA_PRECISION: tl.constexpr):
+def _epilogue(acc, low, rows, cols, col_start, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale,
+              threshold, drop_scale, stride_rr, stride_rn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+              MASK_OUTPUT: tl.constexpr, STORE_Z: tl.constexpr, LORA_FP32: tl.constexpr, R: tl.constexpr,
+              BLOCK_N: tl.constexpr, ROUNDS: tl.constexpr, LORA_PRECISION: tl.constexpr):
     # acc: [BM, BN] fp32 tile of A @ B at (rows, cols = col_start + arange(BN)); low: [BM, R] fp32
     cd = tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty
     ranks = tl.arange(0, R)
@@ -141,8 +143,9 @@ def _lora_matmul_tma(a_desc, b_desc, c_ptr, z_ptr, l_ptr, r_ptr, bias_ptr, seed_
     ranks = tl.arange(0, R)
     low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
                   other=0.0)
-    _epilogue(acc, low, rows, cols, pid_n * BLOCK_N, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale, threshold, drop_scale,
-              stride_rr, stride_rn, ACT, HAS_BIAS, MASK_OUTPUT, STORE_Z, LORA_FP32, R, BLOCK_N, ROUNDS, LORA_PRECISION)
+    _epilogue(acc, low, rows, cols, pid_n * BLOCK_N, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale,
+              threshold, drop_scale, stride_rr, stride_rn, ACT, HAS_BIAS, MASK_OUTPUT, STORE_Z, LORA_FP32, R,
+              BLOCK_N, ROUNDS, LORA_PRECISION)
 
 
 def _tma_ready(a, b):

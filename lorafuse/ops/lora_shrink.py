@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import lora_in_fp32, lora_precision, padded_rank
+from ._tiles import lora_in_fp32, lora_precision, padded_rank, split_in_blocks
 from .dropout import PHILOX_ROUNDS, drop_threshold, keep_mask_reference, keep_scale, keep_tile
 
 
@@ -37,7 +37,8 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
                     mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
         if HAS_DROPOUT:
             x = tl.where(keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS), x, 0.0)
-        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < rank) & (cols[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < rank) & (cols[None, :] < K),
+                    other=0.0)
         cd = tl.float32 if LORA_FP32 else x.dtype
         acc = tl.dot(x.to(cd), tl.trans(a.to(cd)), acc, input_precision=PRECISION)
     if HAS_DROPOUT:
@@ -49,14 +50,16 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
 @triton.jit
 def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank, stride_xm, rows_per_split,
                 threshold, drop_scale, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr, LORA_FP32: tl.constexpr,
-                R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
+                R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr,
+                PRECISION: tl.constexpr):
     # x: [M, K], ds: [M, rank] fp32, A: [rank, K], dx: [M, K], da_part: [splits, rank, K] fp32
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     split = tl.program_id(1)
     ranks = tl.arange(0, R)
     col_ok = cols < K
     if STORE_DX:
-        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < rank) & col_ok[None, :], other=0.0)
+        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < rank) & col_ok[None, :],
+                    other=0.0)
     acc = tl.zeros([R, BLOCK_K], tl.float32)
     row_end = tl.minimum(M, (split + 1) * rows_per_split)
     for m0 in range(split * rows_per_split, row_end, BLOCK_M):
@@ -101,9 +104,7 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     block_m, block_k, warps, stages = config or _shrink_config(M)
     # Few row blocks (decode) would leave one program walking all of K: split K instead.
     row_blocks = triton.cdiv(M, block_m)
-    splits = max(1, min(triton.cdiv(K, block_k), 132 // row_blocks))
-    cols_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
-    splits = triton.cdiv(K, cols_per_split)
+    cols_per_split, splits = split_in_blocks(K, block_k, 132 // row_blocks)
     s = torch.empty(splits, M, r, device=x.device, dtype=torch.float32)
     threshold, drop_scale = _dropout_args(dropout_p)
     fp32 = lora_in_fp32(x.dtype, A.dtype)
@@ -125,9 +126,7 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     default = (32, 128, 4, 3, 528) if dx_out is not None else (64, 64, 4, 3, 528)
     block_m, block_k, warps, stages, programs = config or (default if M > 32 else (16, 64, 4, 3, 528))
     k_blocks = triton.cdiv(K, block_k)
-    splits = max(1, min(triton.cdiv(M, 256), triton.cdiv(programs, k_blocks)))
-    rows_per_split = triton.cdiv(triton.cdiv(M, splits), block_m) * block_m
-    splits = triton.cdiv(M, rows_per_split)
+    rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), triton.cdiv(programs, k_blocks)))
     da_part = torch.empty(splits, r, K, device=x.device, dtype=torch.float32)
     threshold, drop_scale = _dropout_args(dropout_p)
     fp32 = lora_in_fp32(x.dtype, A.dtype)
