@@ -22,7 +22,7 @@ def lora_forward(layer: nn.Module, adapter: str, x: torch.Tensor, seed: torch.Te
     base, lora_A, lora_B = layer.base_layer, layer.lora_A[adapter], layer.lora_B[adapter]
     scale = layer.scaling[adapter]
     dropout = layer.lora_dropout[adapter]
-    dropout_p = dropout.p if layer.training and isinstance(dropout, nn.Dropout) else 0.0
+    dropout_p = dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0  # as PEFT's nn.Dropout
     # PEFT adds lora_B's bias after scaling: y = x W^T + b + scale * (B (A x) + b_B).
     bias = base.bias
     if lora_B.bias is not None:
@@ -64,7 +64,7 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor, seed: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         weight_dtype = self.base_layer.weight.dtype
-        if x.dtype != weight_dtype:
+        if x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"LoraLinear: x is {x.dtype} but the layer's weights are {weight_dtype}; "
                             "cast one to the other")
         return lora_forward(self, self.adapter_name, x, seed)

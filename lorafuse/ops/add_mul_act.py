@@ -110,10 +110,15 @@ def add_mul_act(base, other, scale=1.0, bias=None, activation="identity", out=No
     if out is not None and act != 0 and torch.is_grad_enabled() and needs_grad:
         raise ValueError(f"add_mul_act: in place with activation={activation!r} cannot be differentiated "
                          "(the pre-activation is overwritten); pass out=None")
+    if out is not None and not (out.is_contiguous() and out.shape == base.shape):
+        raise ValueError(f"add_mul_act: out must be contiguous and shaped like base {tuple(base.shape)}")
+    if out is base:
+        base2 = out.view(-1, base.shape[-1])
+    else:  # the kernels index rows * N + cols: every operand contiguous
+        base2 = base.contiguous().view(-1, base.shape[-1])
     shape, N = base.shape, base.shape[-1]
-    base2, other2 = base.reshape(-1, N), other.contiguous().reshape(-1, N)
+    other2 = other.contiguous().view(-1, N)
     out2 = None if out is None else out.view(-1, N)
-    if out is None and not base2.is_contiguous():
-        base2 = base2.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     y = _AddMulAct.apply(base2, other2, bias, float(scale), act, out2)
     return y.view(shape) if out is None else out

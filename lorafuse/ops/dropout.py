@@ -37,6 +37,11 @@ def keep_scale(p: float) -> float:
     return (1 << KEEP_BITS) / ((1 << KEEP_BITS) - drop_threshold(p))
 
 
+def dropout_args(p: float) -> tuple[int, float]:
+    """(threshold, keep scale): the two numbers every kernel with a mask takes."""
+    return drop_threshold(p), keep_scale(p)
+
+
 def new_seed(device) -> torch.Tensor:
     """A fresh seed as a 1-element int64 tensor drawn from torch's generator on `device`.
 

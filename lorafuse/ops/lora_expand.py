@@ -86,7 +86,8 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
         g_lora = g32.to(cd) if LORA_FP32 else g
         ds = tl.dot(g_lora, b.to(cd), ds, input_precision=PRECISION)
         db_t = tl.dot(s_t, g_lora, input_precision=PRECISION)
-        tl.store(db_part_ptr + tl.program_id(0) * N * rank + ranks[:, None] * N + cols[None, :], scale * db_t,
+        db_offs = tl.program_id(0).to(tl.int64) * N * rank + ranks[:, None] * N + cols[None, :]  # may pass 2^31
+        tl.store(db_part_ptr + db_offs, scale * db_t,
                  mask=(ranks[:, None] < rank) & col_ok[None, :])
         if STORE_DBIAS:
             tl.store(dbias_part_ptr + tl.program_id(0) * N + cols, tl.sum(g32, axis=0), mask=col_ok)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .._logging import log_once
 from ._tiles import lora_in_fp32
 from .activation import activation_id, activation_reference
-from .dropout import drop_threshold, keep_mask_reference, keep_scale, new_seed
+from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
 from .lora_expand import lora_expand, lora_expand_backward
 from .lora_matmul import lora_matmul
 from .lora_shrink import lora_shrink, lora_shrink_backward
@@ -49,8 +49,9 @@ def _resolve_gemm(gemm, M, x_dtype, adapter_dtype):
     if gemm != "auto":
         return gemm
     # Measured on an H200 (benchmarks/results/lora_layer.csv): at training sizes cuBLAS plus
-    # the fused epilogue kernels beats the Triton GEMM; at decode sizes the single-launch
-    # Triton kernel (shrink in its K-loop) wins, unless its K-loop carries fp32 adapter math.
+    # the fused epilogue kernels beats the Triton GEMM. At decode sizes the single-launch
+    # Triton kernel (shrink in its K-loop) halves eager call time (fewer launches), unless its
+    # K-loop carries fp32 adapter math; replayed from a CUDA graph the two are within 10 %.
     small = M <= FUSED_SHRINK_MAX_ROWS and not lora_in_fp32(x_dtype, adapter_dtype)
     return "triton" if small else "cublas"
 
@@ -59,7 +60,7 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
     """Returns (y, s, z): the output, the shrink s = dropout(x) A^T (fp32) and, with store_z, z."""
     # x: [M, K] (unit column stride), weight: [N, K], lora_A: [r, K], lora_B: [N, r]
     M = x.shape[0]
-    threshold, drop_scale = drop_threshold(dropout_p), keep_scale(dropout_p)
+    threshold, drop_scale = dropout_args(dropout_p)
     if gemm == "triton" and M <= FUSED_SHRINK_MAX_ROWS:
         s = torch.empty(M, lora_A.shape[0], device=x.device, dtype=torch.float32)
         y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, seed, threshold, drop_scale,
@@ -88,6 +89,7 @@ class _LoraLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, weight, lora_A, lora_B, s, seed, z = ctx.saved_tensors
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
@@ -111,6 +113,27 @@ class _LoraLinear(torch.autograd.Function):
                 dB.to(b_dtype) if need_b else None, None, None, None, None, None)
 
 
+def _check_inputs(x, weight, bias, lora_A, lora_B, seed):
+    """Shape, device and dtype errors that no path could compute through: said at once."""
+    # x: [..., K], weight: [N, K], bias: [N], lora_A: [r, K], lora_B: [N, r], seed: int64 [1]
+    N, K = weight.shape
+    r = lora_A.shape[0]
+    bias_ok = bias is None or bias.shape == (N,)
+    if x.shape[-1] != K or lora_A.shape != (r, K) or lora_B.shape != (N, r) or not bias_ok:
+        raise ValueError(f"lora_linear: shapes do not fit: x {tuple(x.shape)} (last dim K), weight "
+                         f"{tuple(weight.shape)} [N, K], bias {None if bias is None else tuple(bias.shape)} [N], "
+                         f"lora_A {tuple(lora_A.shape)} [r, K], lora_B {tuple(lora_B.shape)} [N, r]")
+    tensors = [t for t in (x, weight, bias, lora_A, lora_B, seed) if t is not None]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"lora_linear: inputs on several devices: {sorted({str(t.device) for t in tensors})}")
+    if seed is not None and (seed.dtype != torch.int64 or seed.numel() != 1):
+        raise ValueError(f"lora_linear: seed must be an int64 tensor of one element, "
+                         f"got {seed.dtype} {tuple(seed.shape)}")
+    if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"lora_linear: input is {x.dtype} but the frozen weight is {weight.dtype}; cast one to the "
+                        "other, or run under torch.autocast")
+
+
 def _kernel_unsupported(x, weight, lora_A):
     """Why the kernels cannot take these inputs, or None."""
     if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -119,10 +142,13 @@ def _kernel_unsupported(x, weight, lora_A):
         return f"{x.device.type} tensors run the PyTorch reference"
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"{x.dtype} inputs run the PyTorch reference (kernels take float32, float16, bfloat16)"
-    if weight.dtype != x.dtype:
-        return f"input {x.dtype} and weight {weight.dtype} differ: the PyTorch reference runs"
     if lora_A.shape[0] > 128:
         return f"rank {lora_A.shape[0]} > 128 runs the PyTorch reference"
+    if lora_A.shape[0] > 64 and lora_in_fp32(x.dtype, lora_A.dtype):
+        # fp32 rank tiles of 128 overflow shared memory in the backward (seen on an H200)
+        return f"rank {lora_A.shape[0]} > 64 with float32 adapter math runs the PyTorch reference"
+    if x.numel() == 0:
+        return "an empty batch runs the PyTorch reference"
     return None
 
 
@@ -134,6 +160,11 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     act = activation_id(activation)
     if dropout_p > 0.0 and seed is None:
         seed = new_seed(x.device)
+    elif isinstance(seed, int):
+        seed = torch.tensor([seed], dtype=torch.int64, device=x.device)
+    _check_inputs(x, weight, bias, lora_A, lora_B, seed)
+    if bias is not None:
+        bias = bias.contiguous()  # the kernels read bias[n] at n
     if torch.is_autocast_enabled(x.device.type):
         # Autocast (accelerate's mixed precision) computes every linear layer in its dtype, the
         # adapters' too (PEFT's lora_A/lora_B under autocast); so do we. Casts are differentiable.

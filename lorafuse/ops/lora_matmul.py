@@ -1,10 +1,12 @@
-"""A Triton GEMM with the LoRA term fused into it: C = act(A @ B + scale * (L @ R) [* keep] + bias).
+"""A Triton GEMM with the LoRA term fused into it: C = act(A @ B + scale * (L @ R) + bias).
 
 Used where cuBLAS plus a separate epilogue pass would cost a read and a write of C:
   forward   y  = act(x @ W^T + scale * s @ B_lora^T + bias)      (L = s, R = B_lora^T)
-  backward  dx = g @ W + keep * (ds @ A_lora) * keep_scale       (L = ds, R = A_lora, mask on (m, k))
+  backward  dx = g @ W + ds @ A_lora                             (L = ds, R = A_lora; no dropout)
 With FUSE_SHRINK the rank-r input L = dropout(A_op) @ A_lora^T is itself accumulated in the
 K-loop (decode sizes: one launch, x read once); programs of the first column block store it.
+A dropout mask on dx's adapter term is not fused here: drawn in this epilogue it spilled
+registers at 128x256 tiles (1.6-6.7x cuBLAS on an H200), so that case takes the cuBLAS route.
 """
 import torch
 import triton
@@ -24,23 +26,15 @@ except ImportError:  # pragma: no cover
 def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr, seed_ptr,
                  M, N, K, rank, scale, threshold, drop_scale,
                  stride_am, stride_ak, stride_bk, stride_bn, stride_rr, stride_rn, stride_sr, stride_sk,
-                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_SHRINK: tl.constexpr, MASK_OUTPUT: tl.constexpr,
-                 MASK_INPUT: tl.constexpr, STORE_Z: tl.constexpr, EVEN_K: tl.constexpr, LORA_FP32: tl.constexpr,
+                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_SHRINK: tl.constexpr, MASK_INPUT: tl.constexpr,
+                 STORE_Z: tl.constexpr, EVEN_K: tl.constexpr, LORA_FP32: tl.constexpr,
                  R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
     # A: [M, K], B: [K, N] (any strides); C, Z: [M, N] contiguous; L: [M, rank] fp32 contiguous;
     # R: [rank, N] (strides stride_rr, stride_rn); shrink weight: [rank, K] (FUSE_SHRINK)
     # LORA_FP32: the rank-r products run in fp32 (float32 adapters), else in C's dtype
     cd = tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * blocks_n)  # grouped order: neighbouring programs share B tiles in L2
-    first_m = group * GROUP_M
-    group_m = min(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * blocks_n)) % group_m
-    pid_n = (pid % (GROUP_M * blocks_n)) // group_m
-
+    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -82,28 +76,32 @@ def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr,
     else:
         low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
                       other=0.0)
-    _epilogue(acc, low, rows, cols, pid_n * BLOCK_N, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale,
-              threshold, drop_scale, stride_rr, stride_rn, ACT, HAS_BIAS, MASK_OUTPUT, STORE_Z, LORA_FP32, R,
-              BLOCK_N, ROUNDS, LORA_PRECISION)
+    _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, scale, stride_rr, stride_rn,
+              ACT, HAS_BIAS, STORE_Z, LORA_FP32, R, LORA_PRECISION)
 
 
 @triton.jit
-def _epilogue(acc, low, rows, cols, col_start, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale,
-              threshold, drop_scale, stride_rr, stride_rn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-              MASK_OUTPUT: tl.constexpr, STORE_Z: tl.constexpr, LORA_FP32: tl.constexpr, R: tl.constexpr,
-              BLOCK_N: tl.constexpr, ROUNDS: tl.constexpr, LORA_PRECISION: tl.constexpr):
-    # acc: [BM, BN] fp32 tile of A @ B at (rows, cols = col_start + arange(BN)); low: [BM, R] fp32
+def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # This program's (row block, column block), in grouped order: GROUP_M neighbouring row
+    # blocks sweep the column blocks together, so their B tiles are shared through L2.
+    pid = tl.program_id(0)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * blocks_n) * GROUP_M
+    group_m = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * blocks_n)) % group_m, (pid % (GROUP_M * blocks_n)) // group_m
+
+
+@triton.jit
+def _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, scale, stride_rr, stride_rn,
+              ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, LORA_FP32: tl.constexpr,
+              R: tl.constexpr, LORA_PRECISION: tl.constexpr):
+    # acc: [BM, BN] fp32 tile of A @ B at (rows, cols); low: [BM, R] fp32 rank-r input of those rows
     cd = tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty
     ranks = tl.arange(0, R)
     r = tl.load(r_ptr + ranks[:, None] * stride_rr + cols[None, :] * stride_rn,
                 mask=(ranks[:, None] < rank) & (cols[None, :] < N), other=0.0).to(cd)
-    if MASK_OUTPUT:
-        lr = tl.dot((low * drop_scale).to(cd), r, tl.zeros_like(acc), input_precision=LORA_PRECISION)
-        keep = keep_tile(seed_ptr, rows, col_start, threshold, BLOCK_N, ROUNDS)
-        acc += tl.where(keep, scale * lr, 0.0)
-    else:
-        # One more K-step of rank r into the same accumulator: no second [BM, BN] tile.
-        acc = tl.dot((low * scale).to(cd), r, acc, input_precision=LORA_PRECISION)
+    # One more K-step of rank r into the same accumulator: no second [BM, BN] tile.
+    acc = tl.dot((low * scale).to(cd), r, acc, input_precision=LORA_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -114,23 +112,15 @@ def _epilogue(acc, low, rows, cols, col_start, c_ptr, z_ptr, r_ptr, bias_ptr, se
 
 
 @triton.jit
-def _lora_matmul_tma(a_desc, b_desc, c_ptr, z_ptr, l_ptr, r_ptr, bias_ptr, seed_ptr, M, N, K, rank, scale, threshold,
-                     drop_scale, stride_rr, stride_rn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     MASK_OUTPUT: tl.constexpr, STORE_Z: tl.constexpr, B_K_MAJOR: tl.constexpr,
+def _lora_matmul_tma(a_desc, b_desc, c_ptr, z_ptr, l_ptr, r_ptr, bias_ptr, M, N, K, rank, scale, stride_rr, stride_rn,
+                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, B_K_MAJOR: tl.constexpr,
                      LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROUNDS: tl.constexpr,
-                     PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                     LORA_PRECISION: tl.constexpr):
     # The same GEMM with tiles fetched by the TMA engine (Hopper): a_desc over A [M, K] in
     # [BM, BK] boxes; b_desc over B [N, K] in [BN, BK] boxes when B_K_MAJOR (x @ W^T), else
     # over B [K, N] in [BK, BN] boxes (g @ W). Out-of-range boxes read zeros.
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * blocks_n)
-    first_m = group * GROUP_M
-    group_m = min(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * blocks_n)) % group_m
-    pid_n = (pid % (GROUP_M * blocks_n)) // group_m
+    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([pid_m * BLOCK_M, k0])
@@ -143,15 +133,15 @@ def _lora_matmul_tma(a_desc, b_desc, c_ptr, z_ptr, l_ptr, r_ptr, bias_ptr, seed_
     ranks = tl.arange(0, R)
     low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
                   other=0.0)
-    _epilogue(acc, low, rows, cols, pid_n * BLOCK_N, c_ptr, z_ptr, r_ptr, bias_ptr, seed_ptr, M, N, rank, scale,
-              threshold, drop_scale, stride_rr, stride_rn, ACT, HAS_BIAS, MASK_OUTPUT, STORE_Z, LORA_FP32, R,
-              BLOCK_N, ROUNDS, LORA_PRECISION)
+    _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, scale, stride_rr, stride_rn,
+              ACT, HAS_BIAS, STORE_Z, LORA_FP32, R, LORA_PRECISION)
 
 
 def _tma_ready(a, b):
     """TMA boxes need a CUDA device of compute capability >= 9, unit inner strides and
     16-byte aligned row strides and base addresses."""
-    if not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9 and a.dtype != torch.float32):
+    if not (a.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(a.device)[0] >= 9
+            and a.dtype != torch.float32):
         return False
     tensors = (a, b.t() if b.stride(0) == 1 else b)
     return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -171,11 +161,12 @@ def _config(M, N, K, dtype):
 
 
 def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, threshold=0, drop_scale=1.0,
-                mask_output=False, shrink_weight=None, mask_input=False, store_z=False, config=None, tma=False):
-    """C = act(a @ b + scale * (low @ right) [masked] + bias); returns (C, Z or None).
+                shrink_weight=None, mask_input=False, store_z=False, config=None, tma=False):
+    """C = act(a @ b + scale * (low @ right) + bias); returns (C, Z or None).
 
     a: [M, K], b: [K, N] (views with any strides: pass W.t() for x @ W^T), right: [r, N] view,
-    low: [M, r] fp32 (read; or written when shrink_weight [r, K] fuses the shrink into the K-loop).
+    low: [M, r] fp32 (read; or written when shrink_weight [r, K] fuses the shrink into the K-loop,
+    with the dropout mask of (seed, threshold, drop_scale) on a when mask_input).
     config: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) overrides the table (benchmarks).
     tma: fetch A and B tiles with Hopper's TMA engine when their layout allows it.
     """
@@ -195,18 +186,18 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
         b_block = [block_n, block_k] if b_k_major else [block_k, block_n]
         _lora_matmul_tma[grid](
             TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b_host, b_block),
-            c, z, low, right, bias, seed, M, N, K, r, scale, threshold, drop_scale, right.stride(0), right.stride(1),
-            ACT=activation_id, HAS_BIAS=bias is not None, MASK_OUTPUT=mask_output, STORE_Z=store_z,
+            c, z, low, right, bias, M, N, K, r, scale, right.stride(0), right.stride(1),
+            ACT=activation_id, HAS_BIAS=bias is not None, STORE_Z=store_z,
             B_K_MAJOR=b_k_major, LORA_FP32=fp32, R=padded_rank(r), BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, GROUP_M=group_m, ROUNDS=PHILOX_ROUNDS, PRECISION=dot_precision(a.dtype),
+            BLOCK_K=block_k, GROUP_M=group_m, PRECISION=dot_precision(a.dtype),
             LORA_PRECISION=lora_precision(a.dtype, right.dtype), num_warps=warps, num_stages=stages)
         return c, z
     _lora_matmul[grid](
         a, b, c, z, low, right, sw, bias, seed, M, N, K, r, scale, threshold, drop_scale,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), right.stride(0), right.stride(1),
         sw.stride(0) if sw is not None else 0, sw.stride(1) if sw is not None else 0,
-        ACT=activation_id, HAS_BIAS=bias is not None, FUSE_SHRINK=sw is not None, MASK_OUTPUT=mask_output,
-        MASK_INPUT=mask_input, STORE_Z=store_z, EVEN_K=K % block_k == 0, LORA_FP32=fp32, R=padded_rank(r),
+        ACT=activation_id, HAS_BIAS=bias is not None, FUSE_SHRINK=sw is not None, MASK_INPUT=mask_input,
+        STORE_Z=store_z, EVEN_K=K % block_k == 0, LORA_FP32=fp32, R=padded_rank(r),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, ROUNDS=PHILOX_ROUNDS,
         PRECISION=dot_precision(a.dtype), LORA_PRECISION=lora_precision(a.dtype, right.dtype),
         num_warps=warps, num_stages=stages)

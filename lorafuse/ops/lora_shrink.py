@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ._tiles import lora_in_fp32, lora_precision, padded_rank, split_in_blocks
-from .dropout import PHILOX_ROUNDS, drop_threshold, keep_mask_reference, keep_scale, keep_tile
+from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
 
 
 def lora_shrink_reference(x, A, dropout_p=0.0, seed=None):
@@ -86,10 +86,6 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
              mask=(ranks[:, None] < rank) & col_ok[None, :])
 
 
-def _dropout_args(dropout_p):
-    return drop_threshold(dropout_p), keep_scale(dropout_p)
-
-
 def _shrink_config(M):
     # (BLOCK_M, BLOCK_K, num_warps, num_stages): enough programs in flight to stream x.
     # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16.
@@ -106,7 +102,7 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, 132 // row_blocks)
     s = torch.empty(splits, M, r, device=x.device, dtype=torch.float32)
-    threshold, drop_scale = _dropout_args(dropout_p)
+    threshold, drop_scale = dropout_args(dropout_p)
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     _shrink_fwd[(row_blocks, splits)](
         x, A.contiguous(), s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,
@@ -128,7 +124,7 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     k_blocks = triton.cdiv(K, block_k)
     rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), triton.cdiv(programs, k_blocks)))
     da_part = torch.empty(splits, r, K, device=x.device, dtype=torch.float32)
-    threshold, drop_scale = _dropout_args(dropout_p)
+    threshold, drop_scale = dropout_args(dropout_p)
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     _shrink_bwd[(k_blocks, splits)](
         x, ds, A.contiguous(), dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,
