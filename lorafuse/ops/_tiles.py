@@ -1,10 +1,20 @@
 """Small helpers shared by the kernels' launchers: rank padding and dot precisions."""
+import functools
 import os
 
 import torch
 import triton
 
 ADAPTER_MATH = ("exact", "fast")
+CPU_STAND_IN_SMS = 132  # Triton's interpreter has no SMs: plan as on an H100/H200, so CPU tests split alike
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device`: the launchers size split reductions to keep them busy."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_STAND_IN_SMS
 
 
 def padded_rank(r: int) -> int:

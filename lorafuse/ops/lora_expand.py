@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import lora_in_fp32, lora_precision, padded_rank, split_in_blocks
+from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .activation import activate, activate_grad, activation_reference
 
 
@@ -126,8 +126,9 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks)."""
     # dy: [M, N] contiguous, z: [M, N] or None, s: [M, r] fp32, B: [N, r]
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
-    block_m, block_n, warps, stages, programs = config or (
-        (128, 64, 4, 3, 264) if M >= 2048 else (64, 64, 4, 3, 264) if M > 32 else (16, 64, 4, 3, 264))
+    programs = 2 * sm_count(dy.device)
+    block_m = 128 if M >= 2048 else 64 if M > 32 else 16
+    block_m, block_n, warps, stages, programs = config or (block_m, 64, 4, 3, programs)
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(N, block_n, min(triton.cdiv(N, 512), triton.cdiv(programs, row_blocks)))
     store_g = activation_id != 0

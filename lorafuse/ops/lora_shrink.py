@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import lora_in_fp32, lora_precision, padded_rank, split_in_blocks
+from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
 
 
@@ -100,7 +100,7 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     block_m, block_k, warps, stages = config or _shrink_config(M)
     # Few row blocks (decode) would leave one program walking all of K: split K instead.
     row_blocks = triton.cdiv(M, block_m)
-    cols_per_split, splits = split_in_blocks(K, block_k, 132 // row_blocks)
+    cols_per_split, splits = split_in_blocks(K, block_k, sm_count(x.device) // row_blocks)
     s = torch.empty(splits, M, r, device=x.device, dtype=torch.float32)
     threshold, drop_scale = dropout_args(dropout_p)
     fp32 = lora_in_fp32(x.dtype, A.dtype)
@@ -119,8 +119,9 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     M, K = x.shape
     r = A.shape[0]
     # Swept on an H200: with dx the mask and the extra store favour narrower row blocks.
-    default = (32, 128, 4, 3, 528) if dx_out is not None else (64, 64, 4, 3, 528)
-    block_m, block_k, warps, stages, programs = config or (default if M > 32 else (16, 64, 4, 3, 528))
+    programs = 4 * sm_count(x.device)
+    default = (32, 128, 4, 3, programs) if dx_out is not None else (64, 64, 4, 3, programs)
+    block_m, block_k, warps, stages, programs = config or (default if M > 32 else (16, 64, 4, 3, programs))
     k_blocks = triton.cdiv(K, block_k)
     rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), triton.cdiv(programs, k_blocks)))
     da_part = torch.empty(splits, r, K, device=x.device, dtype=torch.float32)
