@@ -1,4 +1,5 @@
-"""Small helpers shared by the kernels' launchers: rank padding and dot precisions."""
+"""What the kernels' launchers share: rank padding, split sizing from the device's SM count,
+and the precision of the rank-r products (LORAFUSE_ADAPTER_MATH)."""
 import functools
 import os
 
