@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import environment, time_ms, write_rows  # noqa: E402
+from benchmarks.common import capture, environment, time_ms, write_rows  # noqa: E402
 
 import lorafuse  # noqa: E402
 from lorafuse.ops import lora_linear_reference  # noqa: E402
@@ -224,19 +224,6 @@ def bench_training(env, compiled):
     return rows
 
 
-def capture(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def bench_decode(env):
     # torch.compile would build one graph per rotated layer copy: decode compares eager PEFT only.
     rows, k, n, copies = [], 4096, 4096, 8  # 8 layers x 32 MB of weights rotate past the L2
@@ -262,7 +249,7 @@ def bench_decode(env):
             with torch.no_grad(), mock.patch.dict(os.environ, settings):
                 times[(name, "fwd")] = time_ms(call)
                 # The same calls replayed from a CUDA graph: GPU time without Python launch overhead.
-                graph = capture(call_all)
+                graph = capture(call_all)[0]
                 med, p20, p80 = time_ms(graph.replay)
                 times[(name, "fwd_graph")] = (med / copies, p20 / copies, p80 / copies)
         for (name, mode), (med, p20, p80) in times.items():

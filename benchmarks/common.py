@@ -29,6 +29,20 @@ def time_ms(fn, rep_ms=200):
     return med, p20, p80
 
 
+def capture(fn):
+    """(graph, outputs): fn() captured in a CUDA graph after warm-up on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
 def write_rows(rows, bench, out_dirs):
     """Append rows (dicts with the COLUMNS) to <dir>/<bench>.csv for each dir."""
     for out_dir in out_dirs:

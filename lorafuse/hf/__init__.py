@@ -1,4 +1,10 @@
-"""The Hugging Face side: the only package that imports transformers and peft."""
+"""The Hugging Face side: the only package that imports transformers and peft.
+
+Importing it registers attn_implementation="lorafuse" with transformers (see attention.py).
+"""
+from .attention import register as register_attention
 from .lora import FusedLoraLinear, fuse, unfuse
 
-__all__ = ["FusedLoraLinear", "fuse", "unfuse"]
+register_attention()
+
+__all__ = ["FusedLoraLinear", "fuse", "register_attention", "unfuse"]

@@ -1,7 +1,6 @@
 """lorafuse.fuse on PeftModels: the fused layer against PEFT's, fallbacks, and a tiny Llama end to end."""
 import copy
 import importlib
-import logging
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lorafuse
-import lorafuse._logging
 from lorafuse.hf import FusedLoraLinear
 from lorafuse.ops.dropout import new_seed
 from tests.lora_check import (BIASES, DTYPES, HALF_DTYPES, LORA_ALPHA, RANKS, SHAPES, SeededDropout, assert_fp32_close,
@@ -59,13 +57,6 @@ def op_calls(monkeypatch):
     monkeypatch.setattr(layer_module, "lora_linear", counted)
     return calls
 
-
-@pytest.fixture
-def fallback_log(monkeypatch, caplog):
-    """The once-per-process fallback messages, forgotten before the test so it sees its own."""
-    monkeypatch.setattr(lorafuse._logging, "_said", set())
-    caplog.set_level(logging.WARNING, logger="lorafuse")
-    return caplog
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

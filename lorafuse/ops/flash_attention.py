@@ -1,0 +1,581 @@
+"""Flash attention: softmax(scale * q k^T, masked) v without an N x N matrix in memory.
+
+`flash_attention(q, k, v, causal, scale, windows)` is the entry point. q: [B, Hq, Nq, D],
+k, v: [B, Hkv, Nk, D] with Hq a multiple of Hkv (grouped-query heads read their shared K/V in
+place, never repeated). With causal=True query i attends keys j <= i + Nk - Nq: the diagonal
+is aligned to the end, as for a decode step or a chunk of prefill against a cache. `windows`
+(see attention_windows.py) narrows each query to an interval of keys: padding, packed
+sequences, sliding windows. A query with no key to attend outputs zeros.
+
+Forward: online softmax over key tiles, the log-sum-exp kept per row. Backward: P recomputed
+from it; one kernel accumulates dK and dV per key tile over the query tiles of every query
+head sharing it (no atomics: deterministic), another accumulates dQ per query tile.
+Everything the kernels do not cover runs through torch's scaled_dot_product_attention, with
+the reason logged once.
+"""
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .._logging import log_once
+from ._tiles import dot_precision
+from .attention_windows import AttentionWindows, allowed_keys
+
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # 80 and 96 run in 128-wide tiles, masked
+LOG2_E = 1.4426950408889634
+
+
+def attention_reference(q, k, v, causal=False, scale=None, windows: AttentionWindows | None = None):
+    """The plain computation, in q's dtype: the test oracle (call it on float64 inputs)."""
+    # q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    allowed = allowed_keys(windows, q.shape[2], k.shape[2], causal, q.device)[:, None]  # [B|1, 1, Nq, Nk]
+    # Padding may hold NaN: masked scores and the values of keys nobody sees must not reach sums.
+    seen = allowed.any(-2)[..., None]
+    q, k, v = torch.where(allowed.any(-1, keepdim=True), q, 0), torch.where(seen, k, 0), torch.where(seen, v, 0)
+    scores = torch.where(allowed, scale * q @ k.transpose(-1, -2), -math.inf)
+    probs = torch.where(allowed, torch.softmax(scores, -1), 0)  # rows without keys: 0, not NaN
+    return probs @ v
+
+
+def _sdpa_fallback(q, k, v, causal, scale, windows):
+    # q: [B, Hq, Nq, D]; the dense mask exists only on this path
+    allowed = allowed_keys(windows, q.shape[2], k.shape[2], causal, q.device)[:, None]
+    has_key, seen = allowed.any(-1, keepdim=True), allowed.any(-2)[..., None]
+    q, k, v = torch.where(has_key, q, 0), torch.where(seen, k, 0), torch.where(seen, v, 0)
+    mask = allowed | ~has_key  # SDPA returns NaN on rows with no key: give them all, zero after
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return torch.where(has_key, out, 0)
+
+
+def _unsupported_reason(q, k, v, windows):
+    if q.device.type != "cuda" and not _interpreting():
+        return "tensors are not on a CUDA device (set TRITON_INTERPRET=1 to run the kernel on CPU)"
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} is not float32, float16 or bfloat16"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]} is not one of {HEAD_DIMS}"
+    return None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_inputs(q, k, v, windows):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, H, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
+                         "and share batch and head dim with q")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if windows is not None:
+        b, n_q, n_k = q.shape[0], q.shape[2], k.shape[2]
+        want = [(b, n_q), (b, n_q), (b, n_k), (b, n_k)]
+        got = [tuple(w.shape) for w in windows]
+        if got != want:
+            raise ValueError(f"windows (key_lo, key_hi, query_lo, query_hi) must have shapes {want}, got {got}")
+
+
+@torch.compiler.disable
+def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
+                    windows: AttentionWindows | None = None):
+    """Attention of q [B, Hq, Nq, D] over k, v [B, Hkv, Nk, D]; returns [B, Hq, Nq, D]."""
+    _check_inputs(q, k, v, windows)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    reason = _unsupported_reason(q, k, v, windows)
+    if reason is not None:
+        log_once(f"lorafuse flash_attention: using torch SDPA because {reason}")
+        return _sdpa_fallback(q, k, v, causal, scale, windows)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return FlashAttention.apply(q, k, v, causal, scale, windows)
+    return _flash_forward(q, k, v, causal, scale, windows, store_lse=False)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels. Scores run in base 2: qk_scale = scale * log2(e), and the saved log-sum-exp `lse` is
+# log2 of each row's softmax denominator, so P = exp2(q k^T * qk_scale - lse).
+#
+# Every program walks its tiles in three ranges: masked tiles where the first rows' windows
+# begin, unmasked tiles that every row sees whole, masked tiles at the causal diagonal, the
+# windows' ends and the sequence's end. Only masked tiles pay for the mask; only they can hold
+# padding, whose K, V, Q or dO may be NaN, so they zero what no allowed score reaches.
+
+
+@triton.jit
+def _tile_ranges(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    # [lo, f1) masked, [f1, f2) unmasked, [f2, hi) masked; lo, f1, f2 are tile-aligned
+    lo = lo // BLOCK * BLOCK
+    f1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, lo), hi)
+    f2 = tl.minimum(tl.maximum(full_hi // BLOCK * BLOCK, f1), hi)
+    return lo, f1, f2
+
+
+@triton.jit
+def _heavy_first(CAUSAL: tl.constexpr):
+    # Causal query tiles further down see more keys: launch them first, so that the cheap ones
+    # fill the last wave instead of leaving SMs idle behind one long tile.
+    if CAUSAL:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        return tl.program_id(0)
+
+
+@triton.jit
+def _query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED: tl.constexpr):
+    """Key windows of a tile of query rows; rows past n_q get empty ones."""
+    if WINDOWED:
+        klo = tl.load(KEY_LO + b * n_q + offs_m, mask=offs_m < n_q, other=n_k)
+        khi = tl.load(KEY_HI + b * n_q + offs_m, mask=offs_m < n_q, other=0)
+    else:
+        klo = tl.where(offs_m < n_q, 0, n_k)
+        khi = tl.where(offs_m < n_q, n_k, 0)
+    return klo, khi
+
+
+@triton.jit
+def _key_range(klo, khi, pid_m, n_k, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles a query tile visits, split into masked and unmasked ranges."""
+    lo = tl.min(klo, 0)
+    hi = tl.max(khi, 0)
+    full_lo = tl.max(klo, 0)
+    full_hi = tl.min(khi, 0)
+    if CAUSAL:  # query i sees keys j <= i + diag
+        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + diag)
+        full_hi = tl.minimum(full_hi, pid_m * BLOCK_M + diag + 1)
+    lo, f1, f2 = _tile_ranges(lo, full_lo, full_hi, hi, BLOCK_N)
+    return lo, f1, f2, hi
+
+
+@triton.jit
+def _allowed(offs_m, offs_n, klo, khi, diag, CAUSAL: tl.constexpr):
+    # [BLOCK_M, BLOCK_N]: the window test also drops rows past n_q and keys past n_k
+    ok = (offs_n[None, :] >= klo[:, None]) & (offs_n[None, :] < khi[:, None])
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
+    return ok
+
+
+@triton.jit
+def _load_rows(X, b, h, offs, start, stride, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+               D_TILE: tl.constexpr, TMA: tl.constexpr):
+    # a [BLOCK, D_TILE] tile of rows start.. of head h (zeros past n and past HEAD_DIM); X is a
+    # 4-D TMA descriptor of [B, H, N, D] when TMA, else a pointer already at (b, h)
+    if TMA:
+        return X.load([b, h, start, 0]).reshape(BLOCK, D_TILE)
+    else:
+        mask = (offs < n)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        return tl.load(X + offs[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        v = _load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if MASKED:
+            ok = _allowed(offs_m, offs_n, klo, khi, diag, CAUSAL)
+            s = tl.where(ok, qk * qk_scale, -float("inf"))
+            if WINDOWED:  # keys no row here sees may hold NaN
+                v = tl.where(tl.max(ok.to(tl.int32), 0)[:, None] > 0, v, 0.0)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # rows with no key yet keep max -inf, but subtract 0 (not -inf - -inf = NaN)
+            m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_sub[:, None])
+        else:
+            # scale and shift in one FMA per score: the non-matmul work bounds this loop
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_new
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group"])  # one compile for all lengths
+def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
+                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+                     n_q, n_k, n_heads, group, qk_scale,
+                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, STORE_LSE: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr, TMA: tl.constexpr):
+    # grid: (query tiles, B * Hq); q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (TMA descriptors when TMA)
+    pid_m = _heavy_first(CAUSAL)
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_TILE)
+    io_mask = (offs_m < n_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    hk = h // group
+    if not TMA:
+        Q += b.to(tl.int64) * sqb + h * sqh
+        K += b.to(tl.int64) * skb + hk * skh
+        V += b.to(tl.int64) * svb + hk * svh
+    q = _load_rows(Q, b, h, offs_m, pid_m * BLOCK_M, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+
+    diag = n_k - n_q
+    klo, khi = _query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
+    if WINDOWED:
+        q = tl.where((klo < khi)[:, None], q, 0.0)  # padded queries may hold NaN
+    lo, f1, f2, hi = _key_range(klo, khi, pid_m, n_k, diag, CAUSAL, BLOCK_M, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_TILE], tl.float32)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
+                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
+                               qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
+                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+
+    empty = l_i == 0.0  # no key at all: output zeros, and lse = inf makes every P zero
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    OUT += b.to(tl.int64) * sob + h * soh
+    tl.store(OUT + offs_m[:, None] * som + offs_d[None, :], acc.to(OUT.dtype.element_ty), mask=io_mask)
+    if STORE_LSE:
+        lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(LSE + bh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_heads"])  # one compile for all lengths
+def _attn_bwd_delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, n_q, n_heads,
+                           HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr):
+    # delta[b, h, i] = sum_d o * do: the row term of dS = P * (dP - delta)
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_TILE)
+    mask = (offs_m < n_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(OUT + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm, offs_n, offs_d, start, stop,
+                n_q, n_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+                TMA: tl.constexpr):
+    for start_m in range(start, stop, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(Q, b, h, offs_m, start_m, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+        do = _load_rows(DO, b, h, offs_m, start_m, sdm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+        lse = tl.load(LSE + offs_m, mask=offs_m < n_q, other=0.0)
+        delta = tl.load(DELTA + offs_m, mask=offs_m < n_q, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        pt = tl.math.exp2(st - lse[None, :])
+        if MASKED:
+            klo, khi = _query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
+            ok = tl.trans(_allowed(offs_m, offs_n, klo, khi, diag, CAUSAL))
+            pt = tl.where(ok, pt, 0.0)
+            if WINDOWED:  # padded queries may hold NaN
+                real = (klo < khi)[:, None]
+                q = tl.where(real, q, 0.0)
+                do = tl.where(real, do, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["n_q", "n_k", "n_kv_heads", "group"])  # one compile for all lengths
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY_LO, QUERY_HI,
+                          sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
+                          sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+                          n_q, n_k, n_kv_heads, group, scale, qk_scale,
+                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          PRECISION: tl.constexpr, TMA: tl.constexpr):
+    # grid: (key tiles, B * Hkv); each program sums over the query tiles of all `group` query
+    # heads that share its K/V head, so dK and dV are written once, without atomics. Q and dO
+    # are TMA descriptors when TMA.
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // n_kv_heads
+    hk = bh % n_kv_heads
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_TILE)
+    kv_mask = (offs_n < n_k)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + b.to(tl.int64) * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b.to(tl.int64) * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    # queries that see this key tile: i >= j - diag (causal) and i in the keys' query windows
+    diag = n_k - n_q
+    if WINDOWED:
+        qlo = tl.load(QUERY_LO + b * n_k + offs_n, mask=offs_n < n_k, other=n_q)
+        qhi = tl.load(QUERY_HI + b * n_k + offs_n, mask=offs_n < n_k, other=0)
+        real = (qlo < qhi)[:, None]  # keys nobody sees may hold NaN
+        k = tl.where(real, k, 0.0)
+        v = tl.where(real, v, 0.0)
+    else:
+        qlo = tl.where(offs_n < n_k, 0, n_q)
+        qhi = tl.where(offs_n < n_k, n_q, 0)
+    lo = tl.min(qlo, 0)
+    hi = tl.max(qhi, 0)
+    full_lo = tl.max(qlo, 0)
+    full_hi = tl.min(qhi, 0)
+    if CAUSAL:
+        lo = tl.maximum(lo, pid_n * BLOCK_N - diag)
+        full_lo = tl.maximum(full_lo, (pid_n + 1) * BLOCK_N - 1 - diag)
+    lo = tl.maximum(lo, 0)
+    lo, f1, f2 = _tile_ranges(lo, full_lo, full_hi, hi, BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, D_TILE], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_TILE], tl.float32)
+    for g in range(group):
+        h = hk * group + g
+        if TMA:
+            q_ptr, do_ptr = Q, DO
+        else:
+            q_ptr = Q + b.to(tl.int64) * sqb + h * sqh
+            do_ptr = DO + b.to(tl.int64) * sdb + h * sdh
+        row = (b * n_kv_heads * group + h).to(tl.int64) * n_q
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
+                             offs_n, offs_d, lo, f1, n_q, n_k, diag, qk_scale,
+                             True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
+                             offs_n, offs_d, f1, f2, n_q, n_k, diag, qk_scale,
+                             False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
+                             offs_n, offs_d, f2, hi, n_q, n_k, diag, qk_scale,
+                             True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+    # s = scale * q k^T: dK carries the scale, dV does not
+    tl.store(DK + b.to(tl.int64) * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b.to(tl.int64) * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag,
+              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+              D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        v = _load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if MASKED:
+            ok = _allowed(offs_m, offs_n, klo, khi, diag, CAUSAL)
+            p = tl.where(ok, p, 0.0)
+            if WINDOWED:  # keys no row here sees may hold NaN
+                seen = tl.max(ok.to(tl.int32), 0)[:, None] > 0
+                k = tl.where(seen, k, 0.0)
+                v = tl.where(seen, v, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group"])  # one compile for all lengths
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
+                        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
+                        n_q, n_k, n_heads, group, scale, qk_scale,
+                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr, TMA: tl.constexpr):
+    # grid: (query tiles, B * Hq); K and V are TMA descriptors when TMA
+    pid_m = _heavy_first(CAUSAL)
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_TILE)
+    io_mask = (offs_m < n_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=io_mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=io_mask,
+                 other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+    hk = h // group
+    if not TMA:
+        K += b.to(tl.int64) * skb + hk * skh
+        V += b.to(tl.int64) * svb + hk * svh
+
+    diag = n_k - n_q
+    klo, khi = _query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
+    if WINDOWED:  # padded queries may hold NaN
+        real = (klo < khi)[:, None]
+        q = tl.where(real, q, 0.0)
+        do = tl.where(real, do, 0.0)
+    lo, f1, f2, hi = _key_range(klo, khi, pid_m, n_k, diag, CAUSAL, BLOCK_M, BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, D_TILE], tl.float32)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
+                   qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
+                   qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
+                   qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    tl.store(DQ + b.to(tl.int64) * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers. Tile shapes per kernel, for head dims up to 64 and up to 128 (16-bit inputs);
+# fp32 (exact "ieee" dots) and Triton's interpreter use smaller tiles.
+TILE_CONFIGS = {  # (kernel, head dim up to, causal): measured best on an H200 (N=2048, bf16)
+    ("fwd", 64, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd", 64, False): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("fwd", 128, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd", 128, False): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("dkdv", 64, True): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+    ("dkdv", 64, False): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+    ("dkdv", 128, True): dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("dkdv", 128, False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("dq", 64, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("dq", 64, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("dq", 128, True): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("dq", 128, False): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+}
+FP32_TILES = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16)
+DECODE_BLOCK_M = 16  # tl.dot's smallest tile: a decode step's 1..16 query rows in one
+USE_TMA = True
+
+
+def _tiles(kernel: str, d_tile: int, q: torch.Tensor, causal: bool) -> dict:
+    if q.device.type != "cuda":
+        return dict(INTERPRETER_TILES)
+    if q.dtype == torch.float32:
+        return dict(FP32_TILES)
+    config = dict(TILE_CONFIGS[(kernel, 64 if d_tile <= 64 else 128, causal)])
+    if kernel == "fwd" and q.shape[2] <= DECODE_BLOCK_M:
+        config["BLOCK_M"] = DECODE_BLOCK_M
+    return config
+
+
+def _use_tma(*tensors) -> bool:
+    """Hopper's TMA loads tiles when every stride and base is 16-byte aligned (off CUDA the
+    interpreter emulates it). Set USE_TMA = False to compare with plain pointer loads."""
+    if not USE_TMA or tensors[0].dtype == torch.float32:
+        return False
+    if tensors[0].device.type == "cuda" and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    size = tensors[0].element_size()
+    return all(t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def _descriptor(t, rows, d_tile):
+    # t: [B, H, N, D] with unit last stride; one load is a [1, 1, rows, d_tile] box
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d_tile])
+
+
+def _window_args(windows, q):
+    # the kernels read windows only when WINDOWED; any pointer stands in otherwise
+    if windows is None:
+        return (q, q, q, q)
+    return tuple(w.to(device=q.device, dtype=torch.int32).contiguous() for w in windows)
+
+
+def _flash_forward(q, k, v, causal, scale, windows, store_lse):
+    # q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] -> out (a [B, Hq, Nq, D] view of [B, Nq, Hq, D]), lse [B, Hq, Nq]
+    b, n_heads, n_q, d = q.shape
+    n_k = k.shape[2]
+    d_tile = triton.next_power_of_2(d)
+    # [B, Nq, Hq, D] memory is what Hugging Face's attention layers reshape to [B, Nq, Hq * D]
+    out = torch.empty(b, n_q, n_heads, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    lse = torch.empty(b, n_heads, n_q, device=q.device, dtype=torch.float32) if store_lse else q
+    key_lo, key_hi, _, _ = _window_args(windows, q)
+    config = _tiles("fwd", d_tile, q, causal)
+    grid = (triton.cdiv(n_q, config["BLOCK_M"]), b * n_heads)
+    tma = _use_tma(q, k, v)
+    if tma:
+        q_in, k_in, v_in = (_descriptor(q, config["BLOCK_M"], d_tile), _descriptor(k, config["BLOCK_N"], d_tile),
+                            _descriptor(v, config["BLOCK_N"], d_tile))
+    else:
+        q_in, k_in, v_in = q, k, v
+    _attn_fwd_kernel[grid](
+        q_in, k_in, v_in, out, lse, key_lo, key_hi,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
+        CAUSAL=causal, WINDOWED=windows is not None, STORE_LSE=store_lse, HEAD_DIM=d, D_TILE=d_tile,
+        PRECISION=dot_precision(q.dtype), TMA=tma, **config)
+    return out, lse
+
+
+def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
+    # dout: [B, Hq, Nq, D] -> dq, dk, dv shaped and strided as q, k, v
+    b, n_heads, n_q, d = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    d_tile = triton.next_power_of_2(d)
+    group = n_heads // n_kv_heads
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    windowed = windows is not None
+    key_lo, key_hi, query_lo, query_hi = _window_args(windows, q)
+
+    delta = torch.empty(b, n_heads, n_q, device=q.device, dtype=torch.float32)
+    block = 64 if q.device.type == "cuda" else INTERPRETER_TILES["BLOCK_M"]
+    _attn_bwd_delta_kernel[(triton.cdiv(n_q, block), b * n_heads)](
+        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), n_q, n_heads, HEAD_DIM=d, D_TILE=d_tile, BLOCK_M=block)
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    tma = _use_tma(q, k, v, dout)
+    flags = dict(CAUSAL=causal, WINDOWED=windowed, HEAD_DIM=d, D_TILE=d_tile, PRECISION=dot_precision(q.dtype),
+                 TMA=tma)
+    config = _tiles("dkdv", d_tile, q, causal)
+    q_in, do_in = q, dout
+    if tma:
+        q_in, do_in = _descriptor(q, config["BLOCK_M"], d_tile), _descriptor(dout, config["BLOCK_M"], d_tile)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(n_k, config["BLOCK_N"]), b * n_kv_heads)](
+        q_in, k, v, do_in, lse, delta, dk, dv, key_lo, key_hi, query_lo, query_hi, *strides,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        n_q, n_k, n_kv_heads, group, scale, scale * LOG2_E, **flags, **config)
+    config = _tiles("dq", d_tile, q, causal)
+    k_in, v_in = k, v
+    if tma:
+        k_in, v_in = _descriptor(k, config["BLOCK_N"], d_tile), _descriptor(v, config["BLOCK_N"], d_tile)
+    _attn_bwd_dq_kernel[(triton.cdiv(n_q, config["BLOCK_M"]), b * n_heads)](
+        q, k_in, v_in, dout, lse, delta, dq, key_lo, key_hi, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        n_q, n_k, n_heads, group, scale, scale * LOG2_E, **flags, **config)
+    return dq, dk, dv
+
+
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, windows):
+        out, lse = _flash_forward(q, k, v, causal, scale, windows, store_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, *(windows or ()))
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, *windows = ctx.saved_tensors
+        windows = AttentionWindows(*windows) if windows else None
+        dq, dk, dv = _flash_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, windows)
+        return dq, dk, dv, None, None, None
