@@ -218,6 +218,24 @@ def check_case(case, device):
     return report(ok, case.label(), "  ".join(cells))
 
 
+def check_decode(case, device):
+    """The no-grad decode kernel (flash_decode: GQA rows stacked, keys split in chunks) on a
+    left-padded cache whose padding holds NaN: out against float64, within 2x SDPA's error."""
+    q, k, v, _ = random_inputs(case, device)
+    mask = padding_mask(case.b, case.nk, device)
+    windows = windows_from_padding_mask(mask, case.nq)
+    real_q = mask[:, case.nk - case.nq:, None][:, None]
+    real_k = mask[:, None, :, None]
+    nan_q, nan_k, nan_v = q.masked_fill(~real_q, math.nan), k.masked_fill(~real_k, math.nan), \
+        v.masked_fill(~real_k, math.nan)
+    with torch.no_grad():
+        got = torch.where(real_q, flash_attention(nan_q, nan_k, nan_v, causal=True, windows=windows), 0)
+        exact = torch.where(real_q, attention_reference(q.double(), k.double(), v.double(), True, None, windows), 0)
+        plain = torch.where(real_q, sdpa_attention(q, k, v, True, windows), 0)
+    err, bound = rel_err(got, exact), 2 * rel_err(plain, exact) + HALF_FLOOR
+    return report(err <= bound, "decode kernel (no grad) " + case.label(), f"out {err:.1e}<={bound:.1e}")
+
+
 def check_determinism(device, case=Case(2, 8, 2, 2048, 2048, 128, True)):
     q, k, v, do = random_inputs(case, device)
     first = forward_backward(flash_attention, q, k, v, do, causal=case.causal)
@@ -268,6 +286,8 @@ def run_checks(device, cases):
     """Every check, printed as it runs; True if all pass."""
     start, watch = time.perf_counter(), FallbackWatch()
     results = [guarded(case.label(), check_case, case, device) for case in cases]
+    decode_cases = (Case(4, 32, 8, 1, 4096, 128, True, padded=True), Case(4, 32, 4, 4, 1000, 64, True, padded=True))
+    results += [guarded(f"decode {case.label()}", check_decode, case, device) for case in decode_cases]
     results.append(guarded("determinism", check_determinism, device))
     if device == "cuda":
         results += [guarded(f"CUDA graph backward={backward} padded={padded}", check_cuda_graph, backward, padded)

@@ -25,10 +25,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._logging import log_once
 from ._tiles import dot_precision
+from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
+                               tile_ranges)
 from .attention_windows import AttentionWindows, allowed_keys
+from .flash_decode import fits_decode, flash_decode
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # 80 and 96 run in 128-wide tiles, masked
-LOG2_E = 1.4426950408889634
 
 
 def attention_reference(q, k, v, causal=False, scale=None, windows: AttentionWindows | None = None):
@@ -103,113 +105,13 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return FlashAttention.apply(q, k, v, causal, scale, windows)
+    if fits_decode(q, k):
+        return flash_decode(q, k, v, causal, scale, windows, _use_tma(k, v))
     return _flash_forward(q, k, v, causal, scale, windows, store_lse=False)[0]
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels. Scores run in base 2: qk_scale = scale * log2(e), and the saved log-sum-exp `lse` is
-# log2 of each row's softmax denominator, so P = exp2(q k^T * qk_scale - lse).
-#
-# Every program walks its tiles in three ranges: masked tiles where the first rows' windows
-# begin, unmasked tiles that every row sees whole, masked tiles at the causal diagonal, the
-# windows' ends and the sequence's end. Only masked tiles pay for the mask; only they can hold
-# padding, whose K, V, Q or dO may be NaN, so they zero what no allowed score reaches.
-
-
-@triton.jit
-def _tile_ranges(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
-    # [lo, f1) masked, [f1, f2) unmasked, [f2, hi) masked; lo, f1, f2 are tile-aligned
-    lo = lo // BLOCK * BLOCK
-    f1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, lo), hi)
-    f2 = tl.minimum(tl.maximum(full_hi // BLOCK * BLOCK, f1), hi)
-    return lo, f1, f2
-
-
-@triton.jit
-def _heavy_first(CAUSAL: tl.constexpr):
-    # Causal query tiles further down see more keys: launch them first, so that the cheap ones
-    # fill the last wave instead of leaving SMs idle behind one long tile.
-    if CAUSAL:
-        return tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        return tl.program_id(0)
-
-
-@triton.jit
-def _query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED: tl.constexpr):
-    """Key windows of a tile of query rows; rows past n_q get empty ones."""
-    if WINDOWED:
-        klo = tl.load(KEY_LO + b * n_q + offs_m, mask=offs_m < n_q, other=n_k)
-        khi = tl.load(KEY_HI + b * n_q + offs_m, mask=offs_m < n_q, other=0)
-    else:
-        klo = tl.where(offs_m < n_q, 0, n_k)
-        khi = tl.where(offs_m < n_q, n_k, 0)
-    return klo, khi
-
-
-@triton.jit
-def _key_range(klo, khi, pid_m, n_k, diag, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles a query tile visits, split into masked and unmasked ranges."""
-    lo = tl.min(klo, 0)
-    hi = tl.max(khi, 0)
-    full_lo = tl.max(klo, 0)
-    full_hi = tl.min(khi, 0)
-    if CAUSAL:  # query i sees keys j <= i + diag
-        hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M + diag)
-        full_hi = tl.minimum(full_hi, pid_m * BLOCK_M + diag + 1)
-    lo, f1, f2 = _tile_ranges(lo, full_lo, full_hi, hi, BLOCK_N)
-    return lo, f1, f2, hi
-
-
-@triton.jit
-def _allowed(offs_m, offs_n, klo, khi, diag, CAUSAL: tl.constexpr):
-    # [BLOCK_M, BLOCK_N]: the window test also drops rows past n_q and keys past n_k
-    ok = (offs_n[None, :] >= klo[:, None]) & (offs_n[None, :] < khi[:, None])
-    if CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
-    return ok
-
-
-@triton.jit
-def _load_rows(X, b, h, offs, start, stride, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-               D_TILE: tl.constexpr, TMA: tl.constexpr):
-    # a [BLOCK, D_TILE] tile of rows start.. of head h (zeros past n and past HEAD_DIM); X is a
-    # 4-D TMA descriptor of [B, H, N, D] when TMA, else a pointer already at (b, h)
-    if TMA:
-        return X.load([b, h, start, 0]).reshape(BLOCK, D_TILE)
-    else:
-        mask = (offs < n)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        return tl.load(X + offs[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
-               D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
-    for start_n in range(start, stop, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
-        v = _load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if MASKED:
-            ok = _allowed(offs_m, offs_n, klo, khi, diag, CAUSAL)
-            s = tl.where(ok, qk * qk_scale, -float("inf"))
-            if WINDOWED:  # keys no row here sees may hold NaN
-                v = tl.where(tl.max(ok.to(tl.int32), 0)[:, None] > 0, v, 0.0)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # rows with no key yet keep max -inf, but subtract 0 (not -inf - -inf = NaN)
-            m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_sub[:, None])
-        else:
-            # scale and shift in one FMA per score: the non-matmul work bounds this loop
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_sub = m_new
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
+# Kernels (their tile loops: _attention_tiles.py)
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group"])  # one compile for all lengths
@@ -220,7 +122,7 @@ def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
                      HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (query tiles, B * Hq); q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (TMA descriptors when TMA)
-    pid_m = _heavy_first(CAUSAL)
+    pid_m = heavy_first(CAUSAL)
     bh = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
@@ -232,22 +134,22 @@ def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
         Q += b.to(tl.int64) * sqb + h * sqh
         K += b.to(tl.int64) * skb + hk * skh
         V += b.to(tl.int64) * svb + hk * svh
-    q = _load_rows(Q, b, h, offs_m, pid_m * BLOCK_M, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+    q = load_rows(Q, b, h, offs_m, pid_m * BLOCK_M, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
 
     diag = n_k - n_q
-    klo, khi = _query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
+    klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
     if WINDOWED:
         q = tl.where((klo < khi)[:, None], q, 0.0)  # padded queries may hold NaN
-    lo, f1, f2, hi = _key_range(klo, khi, pid_m, n_k, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, diag, CAUSAL, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_TILE], tl.float32)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
                                qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
                                qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
                                qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
 
     empty = l_i == 0.0  # no key at all: output zeros, and lse = inf makes every P zero
@@ -283,15 +185,15 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm,
                 TMA: tl.constexpr):
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, b, h, offs_m, start_m, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
-        do = _load_rows(DO, b, h, offs_m, start_m, sdm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+        q = load_rows(Q, b, h, offs_m, start_m, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+        do = load_rows(DO, b, h, offs_m, start_m, sdm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
         lse = tl.load(LSE + offs_m, mask=offs_m < n_q, other=0.0)
         delta = tl.load(DELTA + offs_m, mask=offs_m < n_q, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
         pt = tl.math.exp2(st - lse[None, :])
         if MASKED:
-            klo, khi = _query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-            ok = tl.trans(_allowed(offs_m, offs_n, klo, khi, diag, CAUSAL))
+            klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
+            ok = tl.trans(allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL))
             pt = tl.where(ok, pt, 0.0)
             if WINDOWED:  # padded queries may hold NaN
                 real = (klo < khi)[:, None]
@@ -344,7 +246,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
         lo = tl.maximum(lo, pid_n * BLOCK_N - diag)
         full_lo = tl.maximum(full_lo, (pid_n + 1) * BLOCK_N - 1 - diag)
     lo = tl.maximum(lo, 0)
-    lo, f1, f2 = _tile_ranges(lo, full_lo, full_hi, hi, BLOCK_M)
+    lo, f1, f2 = tile_ranges(lo, full_lo, full_hi, hi, BLOCK_M)
 
     dk = tl.zeros([BLOCK_N, D_TILE], tl.float32)
     dv = tl.zeros([BLOCK_N, D_TILE], tl.float32)
@@ -378,12 +280,12 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo,
               D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
-        v = _load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        k = load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        v = load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            ok = _allowed(offs_m, offs_n, klo, khi, diag, CAUSAL)
+            ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
             p = tl.where(ok, p, 0.0)
             if WINDOWED:  # keys no row here sees may hold NaN
                 seen = tl.max(ok.to(tl.int32), 0)[:, None] > 0
@@ -403,7 +305,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
                         D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (query tiles, B * Hq); K and V are TMA descriptors when TMA
-    pid_m = _heavy_first(CAUSAL)
+    pid_m = heavy_first(CAUSAL)
     bh = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
@@ -421,12 +323,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
         V += b.to(tl.int64) * svb + hk * svh
 
     diag = n_k - n_q
-    klo, khi = _query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
+    klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
     if WINDOWED:  # padded queries may hold NaN
         real = (klo < khi)[:, None]
         q = tl.where(real, q, 0.0)
         do = tl.where(real, do, 0.0)
-    lo, f1, f2, hi = _key_range(klo, khi, pid_m, n_k, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, diag, CAUSAL, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,

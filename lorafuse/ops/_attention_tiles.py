@@ -1,0 +1,110 @@
+"""The tile loops that flash attention's kernels share (flash_attention.py, flash_decode.py).
+
+Scores run in base 2: qk_scale = scale * log2(e), and the saved log-sum-exp `lse` is log2 of
+each row's softmax denominator, so P = exp2(q k^T * qk_scale - lse).
+
+Every program walks its tiles in three ranges: masked tiles where the first rows' windows
+begin, unmasked tiles that every row sees whole, masked tiles at the causal diagonal, the
+windows' ends and the sequence's end. Only masked tiles pay for the mask; only they can hold
+padding, whose K, V, Q or dO may be NaN, so they zero what no allowed score reaches.
+"""
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def tile_ranges(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    # [lo, f1) masked, [f1, f2) unmasked, [f2, hi) masked; lo, f1, f2 are tile-aligned
+    lo = lo // BLOCK * BLOCK
+    f1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, lo), hi)
+    f2 = tl.minimum(tl.maximum(full_hi // BLOCK * BLOCK, f1), hi)
+    return lo, f1, f2
+
+
+@triton.jit
+def heavy_first(CAUSAL: tl.constexpr):
+    # Causal query tiles further down see more keys: launch them first, so that the cheap ones
+    # fill the last wave instead of leaving SMs idle behind one long tile.
+    if CAUSAL:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        return tl.program_id(0)
+
+
+@triton.jit
+def query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED: tl.constexpr):
+    """Key windows of a tile of query rows; rows past n_q get empty ones."""
+    if WINDOWED:
+        klo = tl.load(KEY_LO + b * n_q + offs_m, mask=offs_m < n_q, other=n_k)
+        khi = tl.load(KEY_HI + b * n_q + offs_m, mask=offs_m < n_q, other=0)
+    else:
+        klo = tl.where(offs_m < n_q, 0, n_k)
+        khi = tl.where(offs_m < n_q, n_k, 0)
+    return klo, khi
+
+
+@triton.jit
+def key_range(klo, khi, first_row, last_row, diag, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles that query rows first_row..last_row visit, split into masked and unmasked ranges."""
+    lo = tl.min(klo, 0)
+    hi = tl.max(khi, 0)
+    full_lo = tl.max(klo, 0)
+    full_hi = tl.min(khi, 0)
+    if CAUSAL:  # query i sees keys j <= i + diag
+        hi = tl.minimum(hi, last_row + diag + 1)
+        full_hi = tl.minimum(full_hi, first_row + diag + 1)
+    lo, f1, f2 = tile_ranges(lo, full_lo, full_hi, hi, BLOCK_N)
+    return lo, f1, f2, hi
+
+
+@triton.jit
+def allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL: tl.constexpr):
+    # [BLOCK_M, BLOCK_N]: the window test also drops rows past n_q and keys past n_k
+    ok = (offs_n[None, :] >= klo[:, None]) & (offs_n[None, :] < khi[:, None])
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
+    return ok
+
+
+@triton.jit
+def load_rows(X, b, h, offs, start, stride, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+               D_TILE: tl.constexpr, TMA: tl.constexpr):
+    # a [BLOCK, D_TILE] tile of rows start.. of head h (zeros past n and past HEAD_DIM); X is a
+    # 4-D TMA descriptor of [B, H, N, D] when TMA, else a pointer already at (b, h)
+    if TMA:
+        return X.load([b, h, start, 0]).reshape(BLOCK, D_TILE)
+    else:
+        mask = (offs < n)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        return tl.load(X + offs[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        v = load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if MASKED:
+            ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
+            s = tl.where(ok, qk * qk_scale, -float("inf"))
+            if WINDOWED:  # keys no row here sees may hold NaN
+                v = tl.where(tl.max(ok.to(tl.int32), 0)[:, None] > 0, v, 0.0)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # rows with no key yet keep max -inf, but subtract 0 (not -inf - -inf = NaN)
+            m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_sub[:, None])
+        else:
+            # scale and shift in one FMA per score: the non-matmul work bounds this loop
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_new
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
