@@ -1,6 +1,7 @@
 """What every benchmark shares: timing, environment tags and the results CSV of DESIGN.md."""
 import csv
 import datetime
+import logging
 import os
 import shlex
 import sys
@@ -21,6 +22,21 @@ def environment():
     return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name().replace(",", " "),
             "torch": torch.__version__, "triton": triton.__version__, "transformers": tf_version,
             "command": " ".join(["python"] + [shlex.quote(a) for a in sys.argv])}
+
+
+class LogWatch(logging.Handler):
+    """Collects (and prints) what lorafuse logs, once per message: a fallback means a row would
+    time PEFT or SDPA instead of lorafuse's kernels."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+        logging.getLogger("lorafuse").addHandler(self)
+
+    def emit(self, record):
+        message = record.getMessage()
+        print(f"  lorafuse says: {message}")
+        self.messages.append(message)
 
 
 def time_ms(fn, rep_ms=200):

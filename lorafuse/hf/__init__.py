@@ -3,8 +3,9 @@
 Importing it registers attn_implementation="lorafuse" with transformers (see attention.py).
 """
 from .attention import register as register_attention
-from .lora import FusedLoraLinear, fuse, unfuse
+from .lora import FusedLoraLinear
+from .model import from_pretrained, fuse, get_peft_model, unfuse
 
 register_attention()
 
-__all__ = ["FusedLoraLinear", "fuse", "register_attention", "unfuse"]
+__all__ = ["FusedLoraLinear", "from_pretrained", "fuse", "get_peft_model", "register_attention", "unfuse"]

@@ -150,7 +150,9 @@ def lorafuse_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
                   **kwargs):
     """AttentionMaskInterface function: None (no padding), the 2-D keep-mask [B, L <= kv_length] of the keys, or
     (for patterns the attention function cannot rebuild) the dense bool [B, 1, q_length, kv_length] mask."""
-    if _is_standard(mask_function):
+    # An encoder's padding mask (BERT, RoBERTa): bidirectional, the 2-D keep-mask says all
+    bidirectional = mask_function is masking_utils.bidirectional_mask_function and q_length == kv_length
+    if _is_standard(mask_function) or (bidirectional and attention_mask is not None):
         if attention_mask is not None:
             # Sliding or chunked layers see only the last kv_length keys (full layers: this keeps everything).
             mask = attention_mask[:, -kv_length:]

@@ -1,13 +1,18 @@
 """Fused forward for PEFT's LoRA `Linear`, applied to a PeftModel in place.
 
-`fuse` swaps the class of every `peft.tuners.lora.Linear` to `FusedLoraLinear`, a subclass
-that only overrides `forward`. Parameters, state-dict keys, merge/unmerge, adapter switching
-and saving are PEFT's own code, untouched. The fused path covers the common case (see
-`_unfused_reason`); everything else runs PEFT's forward, and the reason is logged once.
+`fuse_layers` swaps the class of every `peft.tuners.lora.Linear` on an `nn.Linear` or on
+transformers' `Conv1D` (GPT-2; PEFT's fan_in_fan_out) to `FusedLoraLinear`, a subclass that
+only overrides `forward`. Parameters, state-dict keys, merge/unmerge, adapter switching and
+saving are PEFT's own code, untouched. Other LoRA layers (Embedding, Conv2d, quantized bases...)
+keep PEFT's class, logged once per kind at fuse time. Per call, the fused path covers the
+common case (see `_unfused_reason`); anything else runs PEFT's forward, and the reason is logged once.
 """
+from collections import defaultdict
+
 import torch
 from peft.tuners import lora
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from .._logging import log_once
 from ..nn import lora_forward
@@ -46,8 +51,6 @@ class FusedLoraLinear(lora.Linear):
             variant = type(self.lora_variant[adapter]).__name__.removesuffix("LinearVariant")
             return f"{variant} adapters (a LoRA variant)"
         base = self.base_layer
-        if type(base) is not nn.Linear or self.fan_in_fan_out:
-            return f"a {type(base).__name__} base layer (fused: plain nn.Linear)"
         if base._forward_hooks or base._forward_pre_hooks or "forward" in vars(base):
             return "a hooked base layer (e.g. accelerate offload)"
         dropout = self.lora_dropout[adapter]
@@ -69,22 +72,45 @@ class FusedLoraLinear(lora.Linear):
         return None
 
 
-def fuse(model: nn.Module) -> nn.Module:
-    """Make every PEFT LoRA `Linear` in `model` (a PeftModel) run the fused op; returns `model`.
+def _unfusable_kind(layer: nn.Module) -> str | None:
+    """The kind of a PEFT LoRA layer that never runs fused (a phrase for the log), or None if it can."""
+    if type(layer) not in (lora.Linear, FusedLoraLinear):
+        return f"LoRA {type(layer).__name__} layers"
+    base = type(layer.base_layer)
+    # fan_in_fan_out is how PEFT marks the [in, out] weight of Conv1D; PEFT sets it from the base's type.
+    if (base is nn.Linear and not layer.fan_in_fan_out) or (base is Conv1D and layer.fan_in_fan_out):
+        return None
+    return f"LoRA Linear layers on a {base.__name__} base (fan_in_fan_out={layer.fan_in_fan_out})"
 
-    In place, and reversible with `unfuse`: saving, loading, merging and adapter switching are
+
+def fuse_layers(model: nn.Module) -> nn.Module:
+    """Make every PEFT LoRA `Linear` on an `nn.Linear` or `Conv1D` in `model` run the fused op; returns `model`.
+
+    In place, and reversible with `unfuse_layers`: saving, loading, merging and adapter switching are
     unaffected because only the modules' class (hence `forward`) changes.
     """
-    layers = [m for m in model.modules() if type(m) in (lora.Linear, FusedLoraLinear)]
-    if not layers:
+    unfusable = defaultdict(list)
+    fusable = []
+    for name, module in model.named_modules():
+        if not isinstance(module, lora.LoraLayer):
+            continue
+        kind = _unfusable_kind(module)
+        if kind is None:
+            fusable.append(module)
+        else:
+            unfusable[kind].append(name)
+    if not fusable and not unfusable:
         raise ValueError(f"fuse: {type(model).__name__} has no peft LoRA Linear layers; wrap it first with "
                          "peft.get_peft_model(model, LoraConfig(target_modules=[...]))")
-    for layer in layers:
+    for kind, names in unfusable.items():
+        log_once(f"lorafuse.fuse: {len(names)} {kind} (e.g. {names[0]}) run through PEFT's forward: lorafuse fuses "
+                 "LoRA Linear layers on nn.Linear and on transformers' Conv1D")
+    for layer in fusable:
         layer.__class__ = FusedLoraLinear
     return model
 
 
-def unfuse(model: nn.Module) -> nn.Module:
+def unfuse_layers(model: nn.Module) -> nn.Module:
     """Give every fused layer in `model` back its stock `peft.tuners.lora.Linear` class; returns `model`."""
     for layer in model.modules():
         if type(layer) is FusedLoraLinear:

@@ -11,7 +11,6 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig, Mistr
 from transformers.modeling_utils import AttentionInterface
 
 import lorafuse
-import lorafuse._logging
 import lorafuse.hf
 from lorafuse.ops.attention_windows import AttentionWindows
 from tests.lora_check import relative_error
@@ -137,10 +136,13 @@ def test_mask_function_is_compact():
         packed = (compatible(base, position_ids, sequences) if compatible else
                   masking_utils.and_masks(base, masking_utils.packed_sequence_mask_function(sequences)))
         assert attention.lorafuse_mask(**args, mask_function=packed, attention_mask=None) is None
+    # an encoder's padding (bidirectional): the keep-mask too
+    bidirectional = masking_utils.bidirectional_mask_function
+    assert torch.equal(attention.lorafuse_mask(**args, mask_function=bidirectional, attention_mask=pad), pad)
+    assert attention.lorafuse_mask(**args, mask_function=bidirectional, attention_mask=full) is None
     # anything else: the dense mask sdpa would get
     extra = masking_utils.or_masks(causal, lambda b, h, q, kv: kv == 0)
-    for mask_function in (extra, masking_utils.bidirectional_mask_function,
-                          masking_utils.chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long))):
+    for mask_function in (extra, masking_utils.chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long))):
         dense = attention.lorafuse_mask(**args, mask_function=mask_function, attention_mask=pad)
         want = masking_utils.sdpa_mask(**args, mask_function=mask_function, attention_mask=pad,
                                        allow_is_causal_skip=False)
