@@ -23,6 +23,7 @@ Providers, each on a fresh model (previous one freed, CUDA cache emptied, peak s
   lorafuse    the same PeftModel with fused LoRA layers and attn_implementation="lorafuse"
               (lorafuse.get_peft_model when the package has it, else peft.get_peft_model + lorafuse.fuse
               + set_attn_implementation("lorafuse"))
+  lorafuse_layers  fused LoRA layers, attention left at "sdpa": what each half of lorafuse brings
   peft_liger  peft after liger_kernel.transformers.apply_liger_kernel_to_llama(model=model) with its
               defaults (rope, RMSNorm, SwiGLU, fused linear cross-entropy), as the anchors; runs last and its
               patches of transformers' llama module are undone afterwards; skipped if liger is missing
@@ -94,7 +95,7 @@ LORA = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=TARGETS)
 LR = 1e-4
 LORA_B_STD = 0.02
 WARMUP, STEPS = 3, 10
-PROVIDERS = ("peft", "lorafuse", "peft_liger")  # liger last: it patches transformers' llama module
+PROVIDERS = ("peft", "lorafuse", "lorafuse_layers", "peft_liger")  # liger last: it patches transformers' llama module
 BASELINE = "peft"
 LOSS_RTOL, GRAD_RTOL = 2e-2, 0.1
 MATMUL_N = 8192
@@ -143,7 +144,12 @@ def build(provider, shape, device, dtype):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama(model=model)  # the anchors' call: defaults
     lora_config = LoraConfig(**LORA)
-    model = lorafuse_peft_model(model, lora_config) if provider == "lorafuse" else get_peft_model(model, lora_config)
+    if provider == "lorafuse":
+        model = lorafuse_peft_model(model, lora_config)
+    elif provider == "lorafuse_layers":
+        model = lorafuse.fuse(get_peft_model(model, lora_config), attention=False)
+    else:
+        model = get_peft_model(model, lora_config)
     generator = torch.Generator(device).manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -276,10 +282,10 @@ def run_provider(provider, shape, ids, device, dtype, reference, warmup, steps):
         loss_diff, grad_err, worst = compare(result, reference)
         ok = loss_diff <= LOSS_RTOL and grad_err <= GRAD_RTOL
         result.update(loss_diff=loss_diff, grad_err=grad_err)
-        verdict = "PASS" if ok else ("FAIL" if provider == "lorafuse" else "WARN")
+        verdict = "PASS" if ok else ("FAIL" if provider.startswith("lorafuse") else "WARN")
         print(f"  {verdict} {provider}: first loss {loss:.5f} (peft {reference['loss']:.5f}, rel. diff {loss_diff:.1e}"
               f" <= {LOSS_RTOL:g}?); LoRA gradients rel. error {grad_err:.2e} (<= {GRAD_RTOL:g}?), worst {worst}")
-        if not ok and provider == "lorafuse":
+        if not ok and provider.startswith("lorafuse"):
             result["status"] = "FAIL"
             return result  # a wrong model is not timed
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
