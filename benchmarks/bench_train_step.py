@@ -268,7 +268,7 @@ def time_steps(step, n, device):
     return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
 
 
-def run_provider(provider, shape, ids, device, dtype, reference, warmup, steps):
+def run_provider(provider, shape, ids, device, dtype, reference, warmup, steps, profile=False):
     """Result dict of one provider on one shape: status ok / FAIL, loss, grads and, when ok, timings."""
     free(device)
     model = build(provider, shape, device, dtype)
@@ -310,13 +310,29 @@ def run_provider(provider, shape, ids, device, dtype, reference, warmup, steps):
                   p80_ms=q[2].item(), peak_GiB=peak, train_loss=train_loss[0])
     print(f"  {provider}: warm-up {warm_s:.1f} s (first training loss {train_loss[0]:.5f}); "
           f"step {result['mean_ms']:.1f} ms mean, {result['median_ms']:.1f} median; peak {peak:.2f} GiB")
+    if profile and device.type == "cuda":
+        print_profile(provider, step)
     return result
+
+
+def print_profile(provider, step, steps=2, kernels=15):
+    """The GPU kernels that take a step's time (torch.profiler over `steps` more steps), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    print(f"  {provider}: GPU kernel time {total:.1f} ms per step; largest kernels (ms per step):")
+    for e in events[:kernels]:
+        print(f"    {e.self_device_time_total / steps / 1e3:7.2f}  {e.count // steps:4d}x  {e.key[:90]}")
 
 
 # ------------------------------------------------------------------------------------------------
 # Driver
 
-def bench_shape(shape, providers, device, dtype, batch, seq, warmup, steps, watch):
+def bench_shape(shape, providers, device, dtype, batch, seq, warmup, steps, watch, profile=False):
     """{provider: result} for one shape; providers that fail to build or run are reported and left out."""
     vocab = SHAPES[shape]["vocab_size"]
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=torch.Generator(device).manual_seed(2))
@@ -333,7 +349,8 @@ def bench_shape(shape, providers, device, dtype, batch, seq, warmup, steps, watc
         failure = None
         try:
             with patches:
-                result = run_provider(provider, shape, ids, device, dtype, results.get(BASELINE), warmup, steps)
+                result = run_provider(provider, shape, ids, device, dtype, results.get(BASELINE), warmup, steps,
+                                      profile)
         except torch.OutOfMemoryError as exc:
             failure = f"skipped, out of memory ({str(exc).splitlines()[0][:160]})"
         except Exception:
@@ -404,6 +421,7 @@ def main():
     parser.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated subset of {PROVIDERS}")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="training steps before timing (>= 1)")
     parser.add_argument("--steps", type=int, default=STEPS, help="timed training steps")
+    parser.add_argument("--profile", action="store_true", help="after timing, print each provider's largest kernels")
     # CPU dry run of the script (TRITON_INTERPRET=1 for lorafuse's kernels): --device cpu --tiny
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -434,7 +452,7 @@ def main():
         flops = flops_per_token(shape, seq)
         print(f"\n{shape_key}: {flops / 1e9:.3f} GFLOP/token, providers {', '.join(providers)}")
         results, shape_problems = bench_shape(shape, providers, device, dtype, batch, seq, args.warmup, args.steps,
-                                              watch)
+                                              watch, args.profile)
         problems += shape_problems
         for r in results.values():
             if "times" in r:
