@@ -29,12 +29,13 @@ _ATTENTION_BEFORE = "_lorafuse_attention_before"  # set on the transformers mode
 
 
 def get_peft_model(model: nn.Module, peft_config: peft.PeftConfig, adapter_name: str = "default",
-                   **kwargs) -> PeftModel:
-    """`peft.get_peft_model(model, peft_config, adapter_name, **kwargs)`, then `fuse`: fused LoRA layers and
-    lorafuse attention. Target specs (names, regex, "all-linear", exclude_modules, rank/alpha patterns) are PEFT's."""
+                   attention: bool = True, **kwargs) -> PeftModel:
+    """`peft.get_peft_model(model, peft_config, adapter_name, **kwargs)`, then `fuse`: fused LoRA layers and, with
+    `attention`, lorafuse attention. Target specs (names, regex, "all-linear", exclude_modules, rank/alpha patterns)
+    are PEFT's."""
     with _naming_targets(model):
         peft_model = peft.get_peft_model(model, peft_config, adapter_name=adapter_name, **kwargs)
-    return fuse(peft_model)
+    return fuse(peft_model, attention=attention)
 
 
 def from_pretrained(model: nn.Module, adapter: str | os.PathLike, **kwargs) -> PeftModel:

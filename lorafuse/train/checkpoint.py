@@ -1,0 +1,126 @@
+"""Checkpoints that survive a crash: written to a temporary directory, published by one atomic rename.
+
+A checkpoint is `<run_dir>/checkpoints/step-<N>/`, holding
+- accelerate's state: the trainable weights only (frozen base weights are the model's own and never change),
+  optimizer, scheduler, the RNG states of every process, the grad scaler;
+- `adapter/`: the adapter in PEFT's format (usable on its own: PeftModel.from_pretrained loads it);
+- `trainer_state.json`: the step and counters the loop resumes from.
+A `step-*` directory exists only once complete: killing the process mid-save leaves a `.tmp-step-*` directory,
+which the next save or resume ignores and removes, and the previous checkpoint as it was.
+"""
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from accelerate import Accelerator
+
+logger = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STATE_FILE = "trainer_state.json"
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of `run_dir`, or None."""
+    steps = _complete_checkpoints(checkpoints_dir(run_dir))
+    return steps[-1] if steps else None
+
+
+def save_checkpoint(accelerator: Accelerator, model, run_dir: str | os.PathLike, step: int, state: dict,
+                    keep: int) -> Path:
+    """Saves the run's state after optimizer step `step`; every process must call it. Returns the checkpoint."""
+    root = checkpoints_dir(run_dir)
+    final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # every process writes its RNG state; weights through the save hook below
+    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
+    if accelerator.is_main_process:
+        # save_embedding_layers=False: LoRA leaves the embeddings frozen, but PEFT's "auto" would save them whole
+        # whenever the vocabulary differs from the base config's (config_overrides, resized embeddings).
+        accelerator.unwrap_model(model).save_pretrained(tmp / "adapter", state_dict=state_dict,
+                                                        save_embedding_layers=False)
+        _write_json(tmp / _STATE_FILE, {**state, "step": step})
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _publish(tmp, final)
+        _prune(root, keep)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator: Accelerator, checkpoint: str | os.PathLike) -> dict:
+    """Restores what `save_checkpoint` saved (weights, optimizer, scheduler, RNG) and returns the trainer state."""
+    checkpoint = Path(checkpoint)
+    state_file = checkpoint / _STATE_FILE
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a lorafuse checkpoint (no {_STATE_FILE}); "
+                                "checkpoints are the step-* directories under <run_dir>/checkpoints")
+    accelerator.load_state(str(checkpoint), strict=False)  # strict=False: the frozen base weights are not in it
+    return json.loads(state_file.read_text())
+
+
+def keep_trainable_weights_only(accelerator: Accelerator) -> None:
+    """Makes accelerate's save_state write only trainable parameters (a LoRA checkpoint stays megabytes, not the
+    whole base model). FSDP saves through its own path and is left as it is."""
+    def hook(models, weights, output_dir):
+        for model, weight in zip(models, weights):
+            trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+            for name in [name for name in weight if name not in trainable]:
+                del weight[name]
+    accelerator.register_save_state_pre_hook(hook)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    # os.replace on a directory fails if the target exists (a re-run of the same step): move the old one aside first.
+    if final.exists():
+        stale = final.with_name(f".old-{final.name}")
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(final, stale)
+        shutil.rmtree(stale)
+    _fsync_tree(tmp)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    logger.info("checkpoint saved: %s", final)
+
+
+def _prune(root: Path, keep: int) -> None:
+    for stale in root.glob(".tmp-step-*"):  # left by a process killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in _complete_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    steps = [path for path in root.iterdir() if path.is_dir() and _STEP_DIR.match(path.name)]
+    return sorted(steps, key=lambda path: int(_STEP_DIR.match(path.name).group(1)))
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2))
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flushes every file of `root` to disk, so that the rename never publishes data still in the page cache."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,175 @@
+"""The fine-tuning recipe's typed config: one dataclass per Hydra config group, stored in Hydra's ConfigStore.
+
+`conf/finetune.yaml` picks one file per group (conf/model/, conf/data/, ...); each file fills the
+dataclass of its group, so that Hydra rejects unknown keys and wrong types at start-up, naming the key,
+and enums name their allowed values.
+"""
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+class DataFormat(Enum):
+    instruction = "instruction"  # alpaca-style columns: instruction, optional input, output
+    chat = "chat"                # a list of {"role", "content"} messages, rendered with the tokenizer's chat template
+    text = "text"                # plain text, loss on every token
+
+
+class Precision(Enum):
+    auto = "auto"  # bf16 mixed precision on CUDA, fp32 elsewhere
+    no = "no"      # fp32
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Scheduler(Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class OnNonFinite(Enum):
+    stop = "stop"  # stop the run; the last checkpoint stays as it was
+    skip = "skip"  # drop the step's gradients and go on (a run of `max_skipped_steps` in a row still stops)
+
+
+class Attention(Enum):
+    lorafuse = "lorafuse"
+    sdpa = "sdpa"
+    eager = "eager"
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = MISSING        # a Hub id or a local directory (config, weights, tokenizer)
+    tokenizer: Optional[str] = None    # defaults to name_or_path
+    random_init: bool = False          # weights drawn from train.seed instead of loaded: benchmarks, offline machines
+    config_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {num_hidden_layers: 8}
+    dtype: str = "auto"                # storage dtype of the frozen weights: auto, float32, bfloat16, float16
+    attn_implementation: Attention = Attention.lorafuse
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING                # a json/jsonl/csv/parquet file, a directory of them, or a Hub dataset name
+    format: DataFormat = DataFormat.instruction
+    split: str = "train"
+    eval_path: Optional[str] = None    # a separate eval file; without it, eval_fraction of `path` is held out
+    eval_fraction: float = 0.05
+    instruction_column: str = "instruction"
+    input_column: str = "input"
+    output_column: str = "output"
+    messages_column: str = "messages"
+    text_column: str = "text"
+    max_length: int = 512              # tokens per sample (per row when packing); longer samples are truncated
+    packing: bool = False              # several samples per row, attention kept inside each sample
+    train_on_prompt: bool = False      # False: loss on responses only (instruction, chat)
+    max_samples: Optional[int] = None  # use only the first N training samples
+    cache_dir: Optional[str] = None    # datasets' cache; None: <run_dir>/cache, so a run writes nowhere else
+
+
+@dataclass
+class LoraSection:
+    r: int = 16
+    alpha: float = 32
+    dropout: float = 0.05
+    target_modules: Any = "all-linear"  # names, a regex, or "all-linear" (PEFT's forms)
+    exclude_modules: Optional[Any] = None
+    use_rslora: bool = False
+    bias: str = "none"
+    fused: bool = True                  # False: PEFT's own LoRA layers (for comparison)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    scheduler: Scheduler = Scheduler.cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0           # the schedule decays to lr * min_lr_ratio
+    max_grad_norm: float = 1.0          # 0 turns clipping off
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    max_steps: int = 100                # optimizer steps
+    batch_size: int = 8                 # samples per device per micro-step
+    grad_accum: int = 1                 # micro-steps per optimizer step
+    precision: Precision = Precision.auto
+    activation_checkpointing: bool = False
+    eval_every: int = 50                # optimizer steps between eval passes; 0: only at the end
+    eval_batches: Optional[int] = None  # cap on eval batches per pass; None: the whole eval split
+    log_every: int = 10
+    save_every_n_steps: int = 0         # 0: a checkpoint at the end only
+    keep_checkpoints: int = 2           # newest checkpoints kept; older ones are deleted
+    resume: Any = False                 # true: the latest checkpoint of run_dir; or a checkpoint directory
+    on_nonfinite: OnNonFinite = OnNonFinite.stop
+    max_skipped_steps: int = 10         # with on_nonfinite=skip: this many non-finite steps in a row stop the run
+    profile_steps: int = 0              # >0: record this many steps with torch.profiler (Chrome trace, top kernels)
+    save_merged: bool = False           # also save the base model with the adapter merged in
+    num_workers: int = 0                # DataLoader workers
+
+
+@dataclass
+class FinetuneConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    lora: LoraSection = field(default_factory=LoraSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run_dir: str = MISSING              # where logs, checkpoints, the adapter and plots go (hydra.run.dir)
+
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def register_configs() -> None:
+    """Stores the schema as `finetune_schema`, which conf/finetune.yaml's defaults list starts from, and the
+    `${asset:NAME}` resolver: the path of a file or directory bundled in lorafuse/assets."""
+    ConfigStore.instance().store(name="finetune_schema", node=FinetuneConfig)
+    if not OmegaConf.has_resolver("asset"):
+        OmegaConf.register_new_resolver("asset", lambda name: str(ASSETS / name))
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work: the message names the key, the value and what is allowed."""
+
+
+def validate(cfg: FinetuneConfig) -> None:
+    """Checks what the schema's types cannot: ranges, and values of keys typed loosely on purpose."""
+    positive = {"train.max_steps": cfg.train.max_steps, "train.batch_size": cfg.train.batch_size,
+                "train.grad_accum": cfg.train.grad_accum, "train.log_every": cfg.train.log_every,
+                "data.max_length": cfg.data.max_length, "lora.r": cfg.lora.r, "optim.lr": cfg.optim.lr}
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key}={value}: must be > 0")
+    at_least_zero = {"train.eval_every": cfg.train.eval_every, "train.save_every_n_steps": cfg.train.save_every_n_steps,
+                     "train.keep_checkpoints": cfg.train.keep_checkpoints, "train.profile_steps": cfg.train.profile_steps,
+                     "optim.warmup_steps": cfg.optim.warmup_steps, "optim.max_grad_norm": cfg.optim.max_grad_norm,
+                     "optim.weight_decay": cfg.optim.weight_decay, "train.num_workers": cfg.train.num_workers}
+    for key, value in at_least_zero.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value}: must be >= 0")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: must be in [0, 1)")
+    if not 0 <= cfg.lora.dropout < 1:
+        raise ConfigError(f"lora.dropout={cfg.lora.dropout}: must be in [0, 1)")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio}: must be in [0, 1]")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas={cfg.optim.betas}: two numbers, e.g. [0.9, 0.999]")
+    allowed_dtypes = ("auto", "float32", "bfloat16", "float16")
+    if cfg.model.dtype not in allowed_dtypes:
+        raise ConfigError(f"model.dtype={cfg.model.dtype!r}: allowed values are {', '.join(allowed_dtypes)}")
+    if cfg.lora.bias not in ("none", "all", "lora_only"):
+        raise ConfigError(f"lora.bias={cfg.lora.bias!r}: allowed values are none, all, lora_only")
+    if not isinstance(cfg.train.resume, (bool, str)):
+        raise ConfigError(f"train.resume={cfg.train.resume!r}: true, false, or the path of a checkpoint directory")

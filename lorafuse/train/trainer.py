@@ -1,0 +1,339 @@
+"""The LoRA fine-tuning loop on accelerate: set-up, train, evaluate, checkpoint, and the files a run leaves.
+
+`Finetune(cfg, run_dir)` builds everything (failing at start-up on bad config, model or data, before any
+training), `train()` runs to `train.max_steps` optimizer steps, saving as configured, and returns the
+summary. One process or several (`accelerate launch`: DDP, or FSDP from accelerate's config): each process
+trains on its own shard of every global batch, only the main process writes logs and files.
+
+The loss of an optimizer step is the mean over every label token of its global batch (all micro-steps, all
+processes), so one process with grad_accum=2 computes the same step as two processes with grad_accum=1.
+"""
+import gc
+import json
+import logging
+import math
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from ..hf import loading
+from .batches import ShardedBatches, eval_batches
+from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import ConfigError, FinetuneConfig, OnNonFinite, Precision, validate
+from .data import Collator, build_datasets, count_loss_tokens
+from .metrics import METRICS_FILE, MetricsLog, plot_loss_curve
+from .optim import build_optimizer, build_scheduler
+from .profiling import StepProfiler
+
+logger = logging.getLogger("lorafuse.train")
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradients became NaN or Inf and the config says to stop."""
+
+
+class Finetune:
+    def __init__(self, cfg: FinetuneConfig, run_dir: str | Path):
+        validate(cfg)
+        self.cfg = cfg
+        self._check_paths()
+        precision = _resolve_precision(cfg.train.precision)
+        # cpu=True without CUDA: several processes (torchrun, accelerate launch) then form a gloo group.
+        self.accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+        self.run_dir = self._shared_run_dir(Path(run_dir))
+        set_seed(cfg.train.seed)
+        self.tokenizer, model = self._build_model(precision)
+        self.train_set, self.eval_set = self._build_data()
+        # Prepared together: under FSDP2 accelerate points the optimizer at the sharded parameters.
+        self.model, self.optimizer = self.accelerator.prepare(model, build_optimizer(model, cfg.optim))
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+        self.accelerator.register_for_checkpointing(self.scheduler)
+        keep_trainable_weights_only(self.accelerator)
+        self.state = {"step": 0, "tokens": 0, "skipped_steps": 0}
+        self._unsummed_tokens = 0  # this process's tokens not yet added to state["tokens"] (see _sum_tokens)
+        self._resume()
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+
+    def _check_paths(self) -> None:
+        """Missing files fail here, before any process group or model exists."""
+        model = self.cfg.model
+        for key, path in (("model.name_or_path", model.name_or_path), ("model.tokenizer", model.tokenizer)):
+            if path is not None:
+                try:
+                    loading.check_exists(path)
+                except loading.ModelLoadError as err:
+                    raise ConfigError(f"{key}: {err}") from err
+
+    def _shared_run_dir(self, run_dir: Path) -> Path:
+        # Each process composed its own config; a run directory named after the start time can differ between
+        # them by a second. The main process's one is the run's.
+        shared = [str(run_dir)]
+        broadcast_object_list(shared)
+        return Path(shared[0])
+
+    def _build_model(self, precision: str):
+        cfg = self.cfg.model
+        dtype = _storage_dtype(cfg.dtype, precision)
+        try:
+            tokenizer = loading.load_tokenizer(cfg.tokenizer or cfg.name_or_path, cfg.trust_remote_code)
+            model = loading.load_causal_lm(
+                cfg.name_or_path, dtype=dtype, attn_implementation=cfg.attn_implementation.value,
+                random_init=cfg.random_init, config_overrides=dict(cfg.config_overrides),
+                trust_remote_code=cfg.trust_remote_code, seed=self.cfg.train.seed)
+        except loading.ModelLoadError as err:
+            raise ConfigError(f"model.name_or_path: {err}") from err
+        lora = self.cfg.lora
+        model = loading.add_lora(
+            model, fused=lora.fused, attention=cfg.attn_implementation.value == "lorafuse", r=lora.r,
+            lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+            exclude_modules=lora.exclude_modules, use_rslora=lora.use_rslora, bias=lora.bias)
+        if self.cfg.train.activation_checkpointing:
+            # Non-reentrant checkpointing recomputes with the RNG state of the forward: same dropout masks.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.accelerator.is_main_process:
+            trainable, total = model.get_nb_trainable_parameters()
+            logger.info("model %s: %s trainable of %s parameters (%.3f%%), weights in %s, attention %s",
+                        cfg.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, dtype,
+                        model.config._attn_implementation)
+        return tokenizer, model
+
+    def _build_data(self):
+        if self.cfg.data.cache_dir is None:  # nothing written outside the run directory unless asked
+            self.cfg.data.cache_dir = str(self.run_dir / "cache")
+        # The main process tokenizes first and fills datasets' cache; the others then read it.
+        with self.accelerator.main_process_first():
+            train_set, eval_set = build_datasets(self.cfg.data, self.tokenizer, self.cfg.train.seed)
+        collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
+        self.collate = collate
+        if self.accelerator.is_main_process:
+            logger.info("data %s: %d training rows, %s eval rows", self.cfg.data.path, len(train_set),
+                        len(eval_set) if eval_set is not None else "no")
+        return train_set, eval_set
+
+    def _resume(self) -> None:
+        resume = self.cfg.train.resume
+        if resume is False or resume in ("false", "False"):
+            return
+        checkpoint = latest_checkpoint(self.run_dir) if resume is True or resume in ("true", "True") else Path(resume)
+        if checkpoint is None:
+            raise ConfigError(f"train.resume=true: {self.run_dir}/checkpoints holds no checkpoint yet "
+                              "(pass run_dir=<the run to resume>, or a checkpoint directory as train.resume)")
+        if not checkpoint.is_dir():
+            raise ConfigError(f"train.resume={resume!r}: no such checkpoint directory")
+        self.state = load_checkpoint(self.accelerator, checkpoint)
+        if self.accelerator.is_main_process:
+            logger.info("resumed from %s at step %d", checkpoint, self.state["step"])
+
+    # ---- training -----------------------------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        cfg, acc = self.cfg.train, self.accelerator
+        start = self.state["step"]
+        batches = self._train_batches(start_micro_step=start * cfg.grad_accum)
+        log = MetricsLog(self.run_dir, resumed_from=start) if acc.is_main_process else None
+        profiler = StepProfiler(self.run_dir, cfg.profile_steps) if cfg.profile_steps and acc.is_main_process else None
+        window = {"loss_sum": 0.0, "steps": 0, "tokens_before": self.state["tokens"], "time": time.perf_counter()}
+        consecutive_skips = 0
+        # Set-up made most of the process's objects (modules, parameters, datasets) and none of them become garbage:
+        # frozen, they are left out of the collector's full passes, whose pauses would otherwise stall every
+        # process of a distributed step at the next collective.
+        gc.freeze()
+        if start == 0 and cfg.eval_every:
+            self._log_eval(0, log)  # the loss before training: what the rest is measured against
+        self.model.train()
+        # disable=None: a bar on a terminal only (the log lines carry the same numbers elsewhere).
+        with logging_redirect_tqdm(), tqdm(total=cfg.max_steps, initial=start, disable=None if acc.is_main_process
+                                           else True, desc="train", unit="step", dynamic_ncols=True) as bar:
+            for step in range(start + 1, cfg.max_steps + 1):
+                loss, grad_norm, tokens = self._train_step([next(batches) for _ in range(cfg.grad_accum)])
+                if math.isfinite(loss) and math.isfinite(grad_norm):
+                    consecutive_skips = 0
+                else:
+                    consecutive_skips += 1
+                    self._non_finite(step, loss, grad_norm, consecutive_skips)
+                self.scheduler.step()
+                window["loss_sum"] += loss if math.isfinite(loss) else 0.0
+                window["steps"] += math.isfinite(loss)
+                self._unsummed_tokens += tokens
+                if profiler:
+                    profiler.step()
+                bar.update(1)
+                if step % cfg.log_every == 0 or step == cfg.max_steps:
+                    self._log_train(step, window, grad_norm, bar, log)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
+                    self._log_eval(step, log)
+                if cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0 and step != cfg.max_steps:
+                    self._save(step)
+        if profiler:
+            profiler.stop()
+        summary = self._finish(log)
+        return summary
+
+    def _train_batches(self, start_micro_step: int):
+        acc = self.accelerator
+        sampler = ShardedBatches(len(self.train_set), self.cfg.train.batch_size, self.cfg.train.seed,
+                                 acc.process_index, acc.num_processes, start=start_micro_step)
+        # A generator of its own: iter() would otherwise draw worker seeds from the global RNG, which a resumed
+        # run restored for the dropout masks of its next step.
+        loader = DataLoader(self.train_set, batch_sampler=sampler, collate_fn=self.collate,
+                            num_workers=self.cfg.train.num_workers, pin_memory=acc.device.type == "cuda",
+                            generator=torch.Generator().manual_seed(self.cfg.train.seed))
+        return iter(loader)
+
+    def _train_step(self, micro_batches: list[dict]) -> tuple[float, float, int]:
+        """One optimizer step over `micro_batches`; returns the global loss, the gradient norm, and the tokens this
+        process trained on. One host sync per step: the loss and norm decide whether the optimizer steps."""
+        acc = self.accelerator
+        local_items = sum(count_loss_tokens(batch["labels"]) for batch in micro_batches)
+        global_items = acc.reduce(torch.tensor(float(local_items), device=acc.device), reduction="sum")
+        # Gradients are averaged over processes: each divides its token-loss sum by the global count / processes.
+        items_per_process = global_items / acc.num_processes
+        loss_sum = torch.zeros((), device=acc.device)
+        tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+                     for b in micro_batches)  # on the host, before the copy to the device: no sync
+        for index, batch in enumerate(micro_batches):
+            batch = {name: tensor.to(acc.device, non_blocking=True) for name, tensor in batch.items()}
+            last = index == len(micro_batches) - 1
+            with nullcontext() if last else acc.no_sync(self.model):
+                loss = self.model(**batch, num_items_in_batch=items_per_process).loss
+                acc.backward(loss)
+            loss_sum += loss.detach().float() * items_per_process
+        max_norm = self.cfg.optim.max_grad_norm or float("inf")
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        loss_sum = acc.reduce(loss_sum, reduction="sum")
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        loss, grad_norm = torch.stack([loss_sum / global_items, torch.as_tensor(grad_norm).float()]).tolist()
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, tokens
+
+    def _non_finite(self, step: int, loss: float, grad_norm: float, consecutive: int) -> None:
+        cfg = self.cfg.train
+        what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
+        checkpoint = latest_checkpoint(self.run_dir)
+        kept = f"the last good checkpoint, {checkpoint}, is intact" if checkpoint else "no checkpoint was written yet"
+        if cfg.on_nonfinite is OnNonFinite.stop:
+            raise NonFiniteLoss(f"{what}: stopped (train.on_nonfinite=stop); {kept}. Lower optim.lr or raise "
+                                "optim.max_grad_norm's strictness, then resume with train.resume=true")
+        self.state["skipped_steps"] += 1
+        if consecutive >= cfg.max_skipped_steps:
+            raise NonFiniteLoss(f"{what}: {consecutive} non-finite steps in a row (train.max_skipped_steps="
+                                f"{cfg.max_skipped_steps}): stopped; {kept}")
+        if self.accelerator.is_main_process:
+            logger.warning("%s: step skipped (train.on_nonfinite=skip)", what)
+
+    # ---- evaluation, logging, saving ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean loss per label token over the eval split (or train.eval_batches batches of it), and perplexity."""
+        acc = self.accelerator
+        if self.eval_set is None:
+            return {}
+        batches = eval_batches(len(self.eval_set), self.cfg.train.batch_size, acc.process_index, acc.num_processes,
+                               limit=self.cfg.train.eval_batches)
+        totals = torch.zeros(2, device=acc.device, dtype=torch.float64)  # token-loss sum, token count
+        self.model.eval()
+        for indices, counted in batches:
+            batch = {name: t.to(acc.device) for name, t in self.collate([self.eval_set[i] for i in indices]).items()}
+            items = count_loss_tokens(batch["labels"])
+            loss = self.model(**batch).loss.double()
+            if counted and items:
+                totals += torch.stack([loss * items, torch.tensor(float(items), device=acc.device)])
+        self.model.train()
+        loss_sum, count = acc.reduce(totals, reduction="sum").tolist()
+        eval_loss = loss_sum / max(count, 1)
+        return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 80.0))}
+
+    def _sum_tokens(self) -> None:
+        """Adds every process's tokens since the last call to state["tokens"]: a collective, so it runs at log and
+        save steps only, not every step."""
+        acc = self.accelerator
+        self.state["tokens"] += int(acc.reduce(torch.tensor(self._unsummed_tokens, device=acc.device), "sum"))
+        self._unsummed_tokens = 0
+
+    def _log_train(self, step: int, window: dict, grad_norm: float, bar: tqdm, log: MetricsLog | None) -> None:
+        self._sum_tokens()
+        elapsed = time.perf_counter() - window["time"]
+        loss = window["loss_sum"] / window["steps"] if window["steps"] else float("nan")
+        row = {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+               "tokens_per_s": (self.state["tokens"] - window["tokens_before"]) / elapsed,
+               "tokens": self.state["tokens"]}
+        window.update(loss_sum=0.0, steps=0, tokens_before=self.state["tokens"], time=time.perf_counter())
+        if log is None:
+            return
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        logger.info("step %d/%d  loss %.4f  lr %.3g  grad_norm %.3g  %.0f tokens/s", step, self.cfg.train.max_steps,
+                    loss, row["lr"], grad_norm, row["tokens_per_s"])
+        log.log(step, **row)
+
+    def _log_eval(self, step: int, log: MetricsLog | None) -> dict:
+        metrics = self.evaluate()
+        if metrics and log is not None:
+            logger.info("step %d  eval_loss %.4f  eval_ppl %.2f", step, metrics["eval_loss"], metrics["eval_ppl"])
+            log.log(step, **metrics)
+        return metrics
+
+    def _save(self, step: int) -> Path:
+        self._sum_tokens()
+        return save_checkpoint(self.accelerator, self.model, self.run_dir, step, self.state,
+                               keep=self.cfg.train.keep_checkpoints)
+
+    def _finish(self, log: MetricsLog | None) -> dict:
+        """The last eval, the final checkpoint, the adapter (and merged model) and the loss curve."""
+        acc, steps = self.accelerator, self.cfg.train.max_steps
+        eval_metrics = self._log_eval(steps, log)
+        checkpoint = self._save(steps)
+        summary = {"step": steps, "tokens": self.state["tokens"], "skipped_steps": self.state["skipped_steps"],
+                   **eval_metrics, "checkpoint": str(checkpoint), "adapter": str(self.run_dir / "adapter")}
+        if acc.is_main_process:
+            adapter = self.run_dir / "adapter"
+            shutil.copytree(checkpoint / "adapter", adapter, dirs_exist_ok=True)
+            self.tokenizer.save_pretrained(adapter)
+            if self.cfg.train.save_merged:
+                summary["merged"] = str(self._save_merged(adapter))
+            log.close()
+            plot_loss_curve(self.run_dir / METRICS_FILE, self.run_dir / "loss_curve.png")
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            logger.info("done: %s", json.dumps(summary))
+        acc.wait_for_everyone()
+        acc.end_training()
+        return summary
+
+    def _save_merged(self, adapter: Path) -> Path:
+        """The base model reloaded on the CPU (every distributed layout holds it whole there), the adapter merged."""
+        cfg = self.cfg.model
+        base = loading.load_causal_lm(
+            cfg.name_or_path, dtype=_storage_dtype(cfg.dtype, self.accelerator.mixed_precision),
+            attn_implementation="sdpa", random_init=cfg.random_init, config_overrides=dict(cfg.config_overrides),
+            trust_remote_code=cfg.trust_remote_code, seed=self.cfg.train.seed)
+        merged = self.run_dir / "merged"
+        loading.save_merged(base, adapter, merged, self.tokenizer)
+        return merged
+
+
+def _resolve_precision(precision: Precision) -> str:
+    if precision is Precision.auto:
+        return "bf16" if torch.cuda.is_available() else "no"
+    if precision in (Precision.bf16, Precision.fp16) and not torch.cuda.is_available():
+        raise ConfigError(f"train.precision={precision.value}: mixed precision needs a CUDA GPU; "
+                          "use train.precision=auto or no on this machine")
+    return precision.value
+
+
+def _storage_dtype(dtype: str, precision: str) -> torch.dtype:
+    """The frozen weights' dtype: model.dtype, or with "auto" the mixed-precision dtype (fp32 without one)."""
+    if dtype != "auto":
+        return loading.DTYPES[dtype]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
