@@ -10,6 +10,8 @@ Config groups are in conf/ (model, data, lora, optim, train); the run directory 
 metrics.jsonl, TensorBoard events, checkpoints/, adapter/ (PEFT's format), loss_curve.png and summary.json.
 """
 import logging
+import os
+import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -20,6 +22,11 @@ from lorafuse.train.data import DataError
 
 register_configs()
 logger = logging.getLogger("lorafuse.train")
+
+# `accelerate launch` starts one process per GPU, and each composes the config: only the main one (rank 0) keeps
+# Hydra's .hydra/ and log file, so that the run directory holds one log, not one per process.
+if int(os.environ.get("RANK", "0")) != 0:
+    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
 
 
 @hydra.main(config_path="../conf", config_name="finetune", version_base="1.3")

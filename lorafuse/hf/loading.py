@@ -11,6 +11,7 @@ import peft
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .._paths import looks_local
 from .model import get_peft_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -18,12 +19,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelLoadError(ValueError):
     """A model or tokenizer that cannot be loaded: the message says which and why."""
-
-
-def looks_local(name_or_path: str) -> bool:
-    """Whether `name_or_path` is meant as a local path rather than a Hub id ("org/name")."""
-    return os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1 \
-        or os.path.exists(name_or_path)
 
 
 def check_exists(name_or_path: str) -> None:
@@ -83,3 +78,20 @@ def save_merged(base: PreTrainedModel, adapter_dir: str | os.PathLike, out_dir: 
     merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def save_adapter(model: peft.PeftModel, out_dir: str | os.PathLike, state_dict: dict) -> None:
+    """`model`'s adapter in PEFT's format, taken from `state_dict` (the gathered one under FSDP)."""
+    # save_embedding_layers=False: LoRA leaves the embeddings frozen, but PEFT's "auto" would save them whole
+    # whenever the vocabulary differs from the base config's (config_overrides, resized embeddings).
+    model.save_pretrained(out_dir, state_dict=state_dict, save_embedding_layers=False)
+
+
+def enable_activation_checkpointing(model: peft.PeftModel) -> None:
+    # Non-reentrant checkpointing recomputes with the RNG state of the forward: the same dropout masks.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def parameter_counts(model: peft.PeftModel) -> tuple[int, int]:
+    """(trainable, total) parameters."""
+    return model.get_nb_trainable_parameters()

@@ -1,9 +1,11 @@
-"""Which samples each process trains on, as a pure function of (seed, epoch, micro-step, rank).
+"""Which samples each process trains on, as a pure function of (seed, optimizer step, micro-step, rank).
 
-Every epoch is one permutation of the training set drawn from `seed + epoch`; micro-step i of an epoch takes
-the i-th slice of `batch_size * world_size` samples, and process `rank` the rank-th part of it. So the data
-position is the number of micro-steps done, nothing else: a resumed run starts exactly where the
-checkpointed one stopped, and one process with grad_accum=2 sees the same samples as two with grad_accum=1.
+An optimizer step consumes one global batch of `batch_size * world_size * grad_accum` samples; an epoch is as
+many whole global batches as the training set holds, one permutation of it drawn from `seed + epoch`. Micro-step
+`a` of a step takes, on process `r`, the part `a * world_size + r` of the step's global batch. So the samples of
+every optimizer step depend only on the global batch size: one process with grad_accum=2 trains on the same
+samples per step as two processes with grad_accum=1, in every epoch, and a resumed run (whatever its layout)
+continues from the step it was checkpointed at.
 """
 from collections.abc import Iterator
 
@@ -12,25 +14,28 @@ from torch.utils.data import Sampler
 
 
 class ShardedBatches(Sampler[list[int]]):
-    """Index batches of one process, from micro-step `start` on, over as many epochs as needed (endless)."""
+    """This process's index batches, one per micro-step, from optimizer step `start_step` on (endless)."""
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 start: int = 0):
+                 grad_accum: int = 1, start_step: int = 0):
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.rank, self.world_size, self.start = rank, world_size, start
-        self.steps_per_epoch = num_samples // (batch_size * world_size)  # the last partial global batch is dropped
+        self.rank, self.world_size, self.grad_accum, self.start_step = rank, world_size, grad_accum, start_step
+        self.global_batch = batch_size * world_size * grad_accum
+        self.steps_per_epoch = num_samples // self.global_batch  # the last partial global batch is dropped
         if self.steps_per_epoch == 0:
-            raise ValueError(f"{num_samples} training samples are fewer than one global batch "
-                             f"(train.batch_size={batch_size} x {world_size} processes)")
+            raise ValueError(f"{num_samples} training samples are fewer than one global batch of "
+                             f"{self.global_batch} (batch size {batch_size} x {world_size} processes x "
+                             f"{grad_accum} accumulation steps)")
 
     def __iter__(self) -> Iterator[list[int]]:
-        step, order, order_epoch = self.start, None, None
+        step, order, order_epoch = self.start_step, None, None
         while True:
             epoch, index = divmod(step, self.steps_per_epoch)
             if epoch != order_epoch:
                 order, order_epoch = self._order(epoch), epoch
-            first = (index * self.world_size + self.rank) * self.batch_size
-            yield order[first:first + self.batch_size].tolist()
+            for micro in range(self.grad_accum):
+                first = index * self.global_batch + (micro * self.world_size + self.rank) * self.batch_size
+                yield order[first:first + self.batch_size].tolist()
             step += 1
 
     def _order(self, epoch: int) -> torch.Tensor:

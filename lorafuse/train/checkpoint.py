@@ -17,6 +17,8 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from ..hf.loading import save_adapter
+
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _STATE_FILE = "trainer_state.json"
@@ -44,28 +46,29 @@ def save_checkpoint(accelerator: Accelerator, model, run_dir: str | os.PathLike,
     accelerator.save_state(str(tmp))  # every process writes its RNG state; weights through the save hook below
     state_dict = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
     if accelerator.is_main_process:
-        # save_embedding_layers=False: LoRA leaves the embeddings frozen, but PEFT's "auto" would save them whole
-        # whenever the vocabulary differs from the base config's (config_overrides, resized embeddings).
-        accelerator.unwrap_model(model).save_pretrained(tmp / "adapter", state_dict=state_dict,
-                                                        save_embedding_layers=False)
+        save_adapter(accelerator.unwrap_model(model), tmp / "adapter", state_dict)
         _write_json(tmp / _STATE_FILE, {**state, "step": step})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _publish(tmp, final)
-        _prune(root, keep)
+        _prune(root, keep, final)
     accelerator.wait_for_everyone()
     return final
 
 
+def read_trainer_state(checkpoint: str | os.PathLike) -> dict | None:
+    """The trainer state saved with `checkpoint`, or None when `checkpoint` is not a checkpoint."""
+    state_file = Path(checkpoint) / _STATE_FILE
+    return json.loads(state_file.read_text()) if state_file.is_file() else None
+
+
 def load_checkpoint(accelerator: Accelerator, checkpoint: str | os.PathLike) -> dict:
     """Restores what `save_checkpoint` saved (weights, optimizer, scheduler, RNG) and returns the trainer state."""
-    checkpoint = Path(checkpoint)
-    state_file = checkpoint / _STATE_FILE
-    if not state_file.is_file():
-        raise FileNotFoundError(f"{checkpoint} is not a lorafuse checkpoint (no {_STATE_FILE}); "
-                                "checkpoints are the step-* directories under <run_dir>/checkpoints")
+    state = read_trainer_state(checkpoint)
+    if state is None:
+        raise FileNotFoundError(f"{checkpoint} is not a lorafuse checkpoint (no {_STATE_FILE})")
     accelerator.load_state(str(checkpoint), strict=False)  # strict=False: the frozen base weights are not in it
-    return json.loads(state_file.read_text())
+    return state
 
 
 def keep_trainable_weights_only(accelerator: Accelerator) -> None:
@@ -80,23 +83,28 @@ def keep_trainable_weights_only(accelerator: Accelerator) -> None:
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    # os.replace on a directory fails if the target exists (a re-run of the same step): move the old one aside first.
+    _fsync_tree(tmp)
+    # A directory cannot be renamed onto an existing one (a step saved again, by a run resumed from an earlier
+    # checkpoint): the old one moves aside first and is deleted only once the new one is in place, so a kill
+    # in between leaves `.old-step-N`, complete, never nothing.
+    stale = final.with_name(f".old-{final.name}")
     if final.exists():
-        stale = final.with_name(f".old-{final.name}")
         shutil.rmtree(stale, ignore_errors=True)
         os.replace(final, stale)
-        shutil.rmtree(stale)
-    _fsync_tree(tmp)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
+    shutil.rmtree(stale, ignore_errors=True)
     logger.info("checkpoint saved: %s", final)
 
 
-def _prune(root: Path, keep: int) -> None:
-    for stale in root.glob(".tmp-step-*"):  # left by a process killed mid-save
+def _prune(root: Path, keep: int, just_saved: Path) -> None:
+    """Deletes what killed saves left behind, and all but the newest `keep` checkpoints (0: keep all), never
+    `just_saved`."""
+    for stale in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     for old in _complete_checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+        if old != just_saved:
+            shutil.rmtree(old)
 
 
 def _complete_checkpoints(root: Path) -> list[Path]:

@@ -109,8 +109,9 @@ class TrainConfig:
     eval_batches: Optional[int] = None  # cap on eval batches per pass; None: the whole eval split
     log_every: int = 10
     save_every_n_steps: int = 0         # 0: a checkpoint at the end only
-    keep_checkpoints: int = 2           # newest checkpoints kept; older ones are deleted
-    resume: Any = False                 # true: the latest checkpoint of run_dir; or a checkpoint directory
+    keep_checkpoints: int = 2           # newest checkpoints kept, older ones deleted; 0 keeps all
+    resume: Any = False                 # true: the latest checkpoint of run_dir; or a checkpoint directory. Data,
+                                        # lora, optim settings and the global batch must match the checkpoint's
     on_nonfinite: OnNonFinite = OnNonFinite.stop
     max_skipped_steps: int = 10         # with on_nonfinite=skip: this many non-finite steps in a row stop the run
     profile_steps: int = 0              # >0: record this many steps with torch.profiler (Chrome trace, top kernels)
@@ -158,6 +159,14 @@ def validate(cfg: FinetuneConfig) -> None:
     for key, value in at_least_zero.items():
         if value < 0:
             raise ConfigError(f"{key}={value}: must be >= 0")
+    if cfg.data.packing and cfg.model.attn_implementation is not Attention.lorafuse:
+        # transformers' sdpa and eager attention, given no mask, let a packed row's samples attend to each other
+        # (checked in tests/train/test_packing.py); lorafuse's reads the restarting position ids.
+        raise ConfigError(f"data.packing=true needs model.attn_implementation=lorafuse, which keeps packed samples "
+                          f"apart; {cfg.model.attn_implementation.value} would let them attend to each other. "
+                          "Use lorafuse attention, or data.packing=false")
+    if cfg.train.eval_batches is not None and cfg.train.eval_batches <= 0:
+        raise ConfigError(f"train.eval_batches={cfg.train.eval_batches}: must be > 0, or null for the whole eval split")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: must be in [0, 1)")
     if not 0 <= cfg.lora.dropout < 1:

@@ -10,7 +10,6 @@ predicted from the end of the previous sample.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from datasets.fingerprint import Hasher
 
 from .._logging import logger
+from .._paths import looks_local
 from .config import DataConfig, DataFormat
 
 IGNORE = -100
@@ -81,10 +81,8 @@ def _load(path: str, key: str, cfg: DataConfig) -> datasets.Dataset:
 
 
 def _looks_local(path: str) -> bool:
-    # A Hub name is "name" or "owner/name"; anything else with a separator, or with a data file's
-    # extension, was meant as a local path.
-    return (os.path.isabs(path) or path.startswith((".", "~")) or "\\" in path or path.count("/") > 1
-            or Path(path).suffix.lower() in BUILDERS)
+    # A data file's extension marks a local path too ("mydata.jsonl" is no Hub dataset).
+    return looks_local(path) or Path(path).suffix.lower() in BUILDERS
 
 
 def _load_files(files: list[Path], key: str, path: str, cache_dir: str | None) -> datasets.Dataset:

@@ -15,6 +15,7 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -26,7 +27,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..hf import loading
 from .batches import ShardedBatches, eval_batches
-from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (keep_trainable_weights_only, latest_checkpoint, load_checkpoint, read_trainer_state,
+                         save_checkpoint)
 from .config import ConfigError, FinetuneConfig, OnNonFinite, Precision, validate
 from .data import Collator, build_datasets, count_loss_tokens
 from .metrics import METRICS_FILE, MetricsLog, plot_loss_curve
@@ -52,12 +54,13 @@ class Finetune:
         set_seed(cfg.train.seed)
         self.tokenizer, model = self._build_model(precision)
         self.train_set, self.eval_set = self._build_data()
+        self._check_batch_fits()
         # Prepared together: under FSDP2 accelerate points the optimizer at the sharded parameters.
         self.model, self.optimizer = self.accelerator.prepare(model, build_optimizer(model, cfg.optim))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.accelerator.register_for_checkpointing(self.scheduler)
         keep_trainable_weights_only(self.accelerator)
-        self.state = {"step": 0, "tokens": 0, "skipped_steps": 0}
+        self.state = {"step": 0, "tokens": 0, "skipped_steps": 0, "config": self._fixed_settings()}
         self._unsummed_tokens = 0  # this process's tokens not yet added to state["tokens"] (see _sum_tokens)
         self._resume()
 
@@ -78,6 +81,8 @@ class Finetune:
         # them by a second. The main process's one is the run's.
         shared = [str(run_dir)]
         broadcast_object_list(shared)
+        if run_dir != Path(shared[0]) and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # made by this process's Hydra, empty (the recipe keeps Hydra's files to the main one)
         return Path(shared[0])
 
     def _build_model(self, precision: str):
@@ -85,6 +90,9 @@ class Finetune:
         dtype = _storage_dtype(cfg.dtype, precision)
         try:
             tokenizer = loading.load_tokenizer(cfg.tokenizer or cfg.name_or_path, cfg.trust_remote_code)
+        except loading.ModelLoadError as err:
+            raise ConfigError(f"{'model.tokenizer' if cfg.tokenizer else 'model.name_or_path'}: {err}") from err
+        try:
             model = loading.load_causal_lm(
                 cfg.name_or_path, dtype=dtype, attn_implementation=cfg.attn_implementation.value,
                 random_init=cfg.random_init, config_overrides=dict(cfg.config_overrides),
@@ -97,10 +105,9 @@ class Finetune:
             lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
             exclude_modules=lora.exclude_modules, use_rslora=lora.use_rslora, bias=lora.bias)
         if self.cfg.train.activation_checkpointing:
-            # Non-reentrant checkpointing recomputes with the RNG state of the forward: same dropout masks.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            loading.enable_activation_checkpointing(model)
         if self.accelerator.is_main_process:
-            trainable, total = model.get_nb_trainable_parameters()
+            trainable, total = loading.parameter_counts(model)
             logger.info("model %s: %s trainable of %s parameters (%.3f%%), weights in %s, attention %s",
                         cfg.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, dtype,
                         model.config._attn_implementation)
@@ -119,16 +126,50 @@ class Finetune:
                         len(eval_set) if eval_set is not None else "no")
         return train_set, eval_set
 
+    def _check_batch_fits(self) -> None:
+        train = self.cfg.train
+        global_batch = train.batch_size * self.accelerator.num_processes * train.grad_accum
+        if len(self.train_set) < global_batch:
+            raise ConfigError(f"{len(self.train_set)} training rows are fewer than one global batch of {global_batch} "
+                              f"(train.batch_size={train.batch_size} x {self.accelerator.num_processes} processes x "
+                              f"train.grad_accum={train.grad_accum}): lower them, or give more data")
+
+    def _fixed_settings(self) -> dict:
+        """The settings a resumed run must share with its checkpoint: they decide the data order, the model and the
+        optimizer state. (train.max_steps, logging, saving and eval settings may change.)"""
+        settings = {f"{group}.{key}": value.value if isinstance(value, Enum) else value
+                    for group in ("data", "lora", "optim") for key, value in vars(getattr(self.cfg, group)).items()
+                    if key != "cache_dir"}
+        train = self.cfg.train
+        settings["train.seed"] = train.seed
+        settings["processes"] = self.accelerator.num_processes  # each restores its own RNG state
+        settings["global batch (train.batch_size x processes x train.grad_accum)"] = (
+            train.batch_size * self.accelerator.num_processes * train.grad_accum)
+        return settings
+
     def _resume(self) -> None:
         resume = self.cfg.train.resume
-        if resume is False or resume in ("false", "False"):
+        if resume in (False, "false", "False"):
+            if latest_checkpoint(self.run_dir) is not None:
+                raise ConfigError(f"run_dir={self.run_dir} already holds checkpoints: continue that run with "
+                                  "train.resume=true, or start this one in another run_dir")
             return
-        checkpoint = latest_checkpoint(self.run_dir) if resume is True or resume in ("true", "True") else Path(resume)
+        checkpoint = latest_checkpoint(self.run_dir) if resume in (True, "true", "True") else Path(resume)
         if checkpoint is None:
             raise ConfigError(f"train.resume=true: {self.run_dir}/checkpoints holds no checkpoint yet "
                               "(pass run_dir=<the run to resume>, or a checkpoint directory as train.resume)")
-        if not checkpoint.is_dir():
-            raise ConfigError(f"train.resume={resume!r}: no such checkpoint directory")
+        saved = read_trainer_state(checkpoint)
+        if saved is None:
+            raise ConfigError(f"train.resume={resume}: not a checkpoint (a step-N directory under "
+                              "<run_dir>/checkpoints, holding trainer_state.json)")
+        if saved["step"] >= self.cfg.train.max_steps:
+            raise ConfigError(f"train.resume: {checkpoint} is at step {saved['step']}, and train.max_steps="
+                              f"{self.cfg.train.max_steps}: raise train.max_steps to train further")
+        changed = [f"{key}: {saved['config'].get(key)!r} in the checkpoint, {value!r} now"
+                   for key, value in self.state["config"].items() if saved["config"].get(key) != value]
+        if changed:
+            raise ConfigError("train.resume: these settings differ from the checkpoint's, so the run would not "
+                              "continue as it was: " + "; ".join(changed))
         self.state = load_checkpoint(self.accelerator, checkpoint)
         if self.accelerator.is_main_process:
             logger.info("resumed from %s at step %d", checkpoint, self.state["step"])
@@ -138,9 +179,9 @@ class Finetune:
     def train(self) -> dict:
         cfg, acc = self.cfg.train, self.accelerator
         start = self.state["step"]
-        batches = self._train_batches(start_micro_step=start * cfg.grad_accum)
+        batches = self._train_batches(start)
         log = MetricsLog(self.run_dir, resumed_from=start) if acc.is_main_process else None
-        profiler = StepProfiler(self.run_dir, cfg.profile_steps) if cfg.profile_steps and acc.is_main_process else None
+        profiler = self._profiler(cfg.max_steps - start)
         window = {"loss_sum": 0.0, "steps": 0, "tokens_before": self.state["tokens"], "time": time.perf_counter()}
         consecutive_skips = 0
         # Set-up made most of the process's objects (modules, parameters, datasets) and none of them become garbage:
@@ -154,34 +195,43 @@ class Finetune:
         with logging_redirect_tqdm(), tqdm(total=cfg.max_steps, initial=start, disable=None if acc.is_main_process
                                            else True, desc="train", unit="step", dynamic_ncols=True) as bar:
             for step in range(start + 1, cfg.max_steps + 1):
-                loss, grad_norm, tokens = self._train_step([next(batches) for _ in range(cfg.grad_accum)])
-                if math.isfinite(loss) and math.isfinite(grad_norm):
-                    consecutive_skips = 0
-                else:
-                    consecutive_skips += 1
+                loss, grad_norm, tokens, finite = self._train_step([next(batches) for _ in range(cfg.grad_accum)])
+                consecutive_skips = 0 if finite else consecutive_skips + 1
+                if not finite:
                     self._non_finite(step, loss, grad_norm, consecutive_skips)
                 self.scheduler.step()
-                window["loss_sum"] += loss if math.isfinite(loss) else 0.0
-                window["steps"] += math.isfinite(loss)
+                window["loss_sum"] += loss if finite else 0.0
+                window["steps"] += finite
                 self._unsummed_tokens += tokens
                 if profiler:
                     profiler.step()
                 bar.update(1)
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
                     self._log_train(step, window, grad_norm, bar, log)
+                paused = time.perf_counter()  # eval and save time stays out of tokens/s
                 if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
                     self._log_eval(step, log)
                 if cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0 and step != cfg.max_steps:
                     self._save(step)
+                window["time"] += time.perf_counter() - paused
         if profiler:
             profiler.stop()
         summary = self._finish(log)
         return summary
 
-    def _train_batches(self, start_micro_step: int):
-        acc = self.accelerator
-        sampler = ShardedBatches(len(self.train_set), self.cfg.train.batch_size, self.cfg.train.seed,
-                                 acc.process_index, acc.num_processes, start=start_micro_step)
+    def _profiler(self, steps_left: int) -> StepProfiler | None:
+        steps = self.cfg.train.profile_steps
+        if not steps or not self.accelerator.is_main_process:
+            return None
+        if steps + 1 > steps_left:  # one warm-up step first
+            logger.warning("train.profile_steps=%d: only %d steps are left to run, so the profile records %d",
+                           steps, steps_left, max(steps_left - 1, 0))
+        return StepProfiler(self.run_dir, steps)
+
+    def _train_batches(self, start_step: int):
+        acc, train = self.accelerator, self.cfg.train
+        sampler = ShardedBatches(len(self.train_set), train.batch_size, train.seed, acc.process_index,
+                                 acc.num_processes, train.grad_accum, start_step)
         # A generator of its own: iter() would otherwise draw worker seeds from the global RNG, which a resumed
         # run restored for the dropout masks of its next step.
         loader = DataLoader(self.train_set, batch_sampler=sampler, collate_fn=self.collate,
@@ -189,15 +239,16 @@ class Finetune:
                             generator=torch.Generator().manual_seed(self.cfg.train.seed))
         return iter(loader)
 
-    def _train_step(self, micro_batches: list[dict]) -> tuple[float, float, int]:
-        """One optimizer step over `micro_batches`; returns the global loss, the gradient norm, and the tokens this
-        process trained on. One host sync per step: the loss and norm decide whether the optimizer steps."""
+    def _train_step(self, micro_batches: list[dict]) -> tuple[float, float, int, bool]:
+        """One optimizer step over `micro_batches`; returns the global loss, the gradient norm, the tokens this
+        process trained on, and whether the step was finite. One host sync per step: the loss and norm decide
+        whether the optimizer steps."""
         acc = self.accelerator
         local_items = sum(count_loss_tokens(batch["labels"]) for batch in micro_batches)
-        global_items = acc.reduce(torch.tensor(float(local_items), device=acc.device), reduction="sum")
+        global_items = acc.reduce(torch.tensor(local_items, device=acc.device, dtype=torch.float64), reduction="sum")
         # Gradients are averaged over processes: each divides its token-loss sum by the global count / processes.
         items_per_process = global_items / acc.num_processes
-        loss_sum = torch.zeros((), device=acc.device)
+        loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
                      for b in micro_batches)  # on the host, before the copy to the device: no sync
         for index, batch in enumerate(micro_batches):
@@ -206,17 +257,21 @@ class Finetune:
             with nullcontext() if last else acc.no_sync(self.model):
                 loss = self.model(**batch, num_items_in_batch=items_per_process).loss
                 acc.backward(loss)
-            loss_sum += loss.detach().float() * items_per_process
+            loss_sum += loss.detach().double() * items_per_process
         max_norm = self.cfg.optim.max_grad_norm or float("inf")
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         loss_sum = acc.reduce(loss_sum, reduction="sum")
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
-        loss, grad_norm = torch.stack([loss_sum / global_items, torch.as_tensor(grad_norm).float()]).tolist()
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        loss, grad_norm = torch.stack([loss_sum / global_items, torch.as_tensor(grad_norm).double()]).tolist()
+        # fp16's grad scaler: an overflowing step is the scaler's to skip (optimizer.step() does, and lowers the
+        # scale), not a non-finite step; it must still be called, or the scaler breaks on the next unscale.
+        scaled = acc.scaler is not None
+        finite = math.isfinite(loss) and (scaled or math.isfinite(grad_norm))
+        if finite or scaled:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm, tokens
+        return loss, grad_norm, tokens, finite
 
     def _non_finite(self, step: int, loss: float, grad_norm: float, consecutive: int) -> None:
         cfg = self.cfg.train
@@ -253,7 +308,11 @@ class Finetune:
                 totals += torch.stack([loss * items, torch.tensor(float(items), device=acc.device)])
         self.model.train()
         loss_sum, count = acc.reduce(totals, reduction="sum").tolist()
-        eval_loss = loss_sum / max(count, 1)
+        if count == 0:
+            if acc.is_main_process:
+                logger.warning("eval: no eval token carries loss (an empty eval split?): no eval loss")
+            return {}
+        eval_loss = loss_sum / count
         return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 80.0))}
 
     def _sum_tokens(self) -> None:
@@ -297,30 +356,31 @@ class Finetune:
         checkpoint = self._save(steps)
         summary = {"step": steps, "tokens": self.state["tokens"], "skipped_steps": self.state["skipped_steps"],
                    **eval_metrics, "checkpoint": str(checkpoint), "adapter": str(self.run_dir / "adapter")}
+        adapter = self.run_dir / "adapter"
+        if self.cfg.train.save_merged:
+            summary["merged"] = str(self.run_dir / "merged")
         if acc.is_main_process:
-            adapter = self.run_dir / "adapter"
             shutil.copytree(checkpoint / "adapter", adapter, dirs_exist_ok=True)
             self.tokenizer.save_pretrained(adapter)
-            if self.cfg.train.save_merged:
-                summary["merged"] = str(self._save_merged(adapter))
             log.close()
             plot_loss_curve(self.run_dir / METRICS_FILE, self.run_dir / "loss_curve.png")
+        acc.wait_for_everyone()
+        acc.end_training()  # the process group ends here: the merge below keeps no other process waiting
+        if acc.is_main_process:
+            if self.cfg.train.save_merged:
+                self._save_merged(adapter)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             logger.info("done: %s", json.dumps(summary))
-        acc.wait_for_everyone()
-        acc.end_training()
         return summary
 
-    def _save_merged(self, adapter: Path) -> Path:
+    def _save_merged(self, adapter: Path) -> None:
         """The base model reloaded on the CPU (every distributed layout holds it whole there), the adapter merged."""
         cfg = self.cfg.model
         base = loading.load_causal_lm(
             cfg.name_or_path, dtype=_storage_dtype(cfg.dtype, self.accelerator.mixed_precision),
             attn_implementation="sdpa", random_init=cfg.random_init, config_overrides=dict(cfg.config_overrides),
             trust_remote_code=cfg.trust_remote_code, seed=self.cfg.train.seed)
-        merged = self.run_dir / "merged"
-        loading.save_merged(base, adapter, merged, self.tokenizer)
-        return merged
+        loading.save_merged(base, adapter, self.run_dir / "merged", self.tokenizer)
 
 
 def _resolve_precision(precision: Precision) -> str:

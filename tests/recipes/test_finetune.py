@@ -85,6 +85,9 @@ def test_resume_from_an_explicit_checkpoint_directory(tmp_path):
     (["data.path=missing/demo.jsonl"], "data.path: no such file or directory: missing/demo.jsonl"),
     (["model.name_or_path=./no/such/model"], "model.name_or_path: './no/such/model' does not exist"),
     (["train.resume=true"], "holds no checkpoint yet"),
+    (["train.eval_batches=0"], "train.eval_batches=0: must be > 0"),
+    (["data.packing=true", "model.attn_implementation=sdpa"], "data.packing=true needs model.attn_implementation=lorafuse"),
+    (["data.max_samples=10", "train.batch_size=16"], "10 training rows are fewer than one global batch of 16"),
 ])
 def test_bad_config_stops_at_start_up_with_a_clear_message(tmp_path, overrides, expected):
     cwd, home, run_dir = tmp_path / "cwd", tmp_path / "home", tmp_path / "run"
@@ -95,6 +98,32 @@ def test_bad_config_stops_at_start_up_with_a_clear_message(tmp_path, overrides, 
     assert "Traceback" not in run.stdout + run.stderr
     assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []  # nothing written outside the run directory
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_a_run_directory_is_continued_only_as_the_same_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run_recipe(*QUICK, f"run_dir={run_dir}")
+    refusals = [
+        ([], "already holds checkpoints: continue that run with train.resume=true"),
+        (["train.resume=true"], "is at step 6, and train.max_steps=6: raise train.max_steps"),
+        (["train.resume=true", "train.max_steps=8", "optim.lr=1e-4"], "optim.lr: 0.005 in the checkpoint, 0.0001 now"),
+        (["train.resume=true", "train.max_steps=8", "train.grad_accum=1"], "global batch"),
+        ([f"train.resume={run_dir}", "train.max_steps=8"], "not a checkpoint"),
+    ]
+    for overrides, expected in refusals:
+        run = run_recipe(*QUICK, f"run_dir={run_dir}", *overrides, check=False, timeout=120)
+        output = run.stdout + run.stderr
+        assert run.returncode == 2 and expected in output and "Traceback" not in output, (overrides, output[-2000:])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000006"]
+
+
+def test_activation_checkpointing_recomputes_the_same_step(tmp_path):
+    """Same losses and gradient norms with and without it: the recomputed forward draws the same dropout masks."""
+    rows = []
+    for flag in ("false", "true"):
+        run_recipe(*QUICK, "train.max_steps=3", f"train.activation_checkpointing={flag}", f"run_dir={tmp_path / flag}")
+        rows.append([(row["loss"], row["grad_norm"]) for row in train_rows(tmp_path / flag).values()])
+    assert rows[0] == rows[1]
 
 
 def test_a_missing_column_names_the_file_the_columns_and_the_key(tmp_path):
@@ -143,7 +172,7 @@ def test_multirun_gives_each_job_its_own_directory(tmp_path):
 
 @pytest.mark.parametrize("overrides", [
     ["data=demo_chat", "data.packing=true"],
-    ["data=demo_text", "data.packing=true", "train.activation_checkpointing=true"],
+    ["data=demo_text", "data.packing=true"],
     ["lora.fused=false", "model.attn_implementation=sdpa", "optim.scheduler=linear"],
 ])
 def test_other_data_formats_and_options_train(tmp_path, overrides):
@@ -171,6 +200,7 @@ def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path):
     run = run_recipe(*settings, "train.grad_accum=1", f"run_dir={two}", launcher=["-m", "torch.distributed.run",
                                                                                "--nproc_per_node", "2"])
     assert run.stdout.count("step 4/4") + run.stderr.count("step 4/4") == 1  # only the main process logs
+    assert (two / "finetune.log").read_text().count("step 4/4") == 1
     for name in ("loss", "grad_norm", "eval_loss"):
         expected = [row[name] for row in metrics(one) if name in row]
         assert [row[name] for row in metrics(two) if name in row] == pytest.approx(expected, rel=1e-5), name

@@ -1,4 +1,4 @@
-"""Which samples each process trains on: a function of (seed, epoch, micro-step, rank) alone."""
+"""Which samples each process trains on: a function of (seed, optimizer step, micro-step, rank) alone."""
 import itertools
 
 import pytest
@@ -8,6 +8,11 @@ from lorafuse.train.batches import ShardedBatches, eval_batches
 
 def take(sampler, n):
     return list(itertools.islice(iter(sampler), n))
+
+
+def per_step(batches, micro_steps):
+    """Micro-batches grouped into optimizer steps, as sets of sample indices."""
+    return [set(sum(batches[i:i + micro_steps], [])) for i in range(0, len(batches), micro_steps)]
 
 
 def test_an_epoch_visits_every_sample_once_across_processes():
@@ -26,21 +31,25 @@ def test_epochs_are_reshuffled_and_reproducible():
     assert first[:2] != first[2:]
 
 
-def test_start_resumes_the_same_stream():
-    full = take(ShardedBatches(31, 4, seed=3, rank=1, world_size=2), 11)
-    assert take(ShardedBatches(31, 4, seed=3, rank=1, world_size=2, start=5), 6) == full[5:]
+def test_start_step_resumes_the_same_stream():
+    full = take(ShardedBatches(31, 4, seed=3, rank=1, world_size=2, grad_accum=2), 22)
+    assert take(ShardedBatches(31, 4, seed=3, rank=1, world_size=2, grad_accum=2, start_step=5), 12) == full[10:]
 
 
-def test_two_processes_see_what_one_process_sees_with_accumulation():
-    # one process, batch 4, two micro-steps per step == two processes, batch 4, one micro-step each
-    one = take(ShardedBatches(40, 4, seed=0, world_size=1), 6)
-    two = [take(ShardedBatches(40, 8 // 2, seed=0, rank=rank, world_size=2), 3) for rank in range(2)]
-    assert sorted(sum(one, [])) == sorted(sum(two[0] + two[1], []))
+@pytest.mark.parametrize("num_samples", [40, 44, 47])
+def test_steps_see_the_same_samples_whatever_the_layout(num_samples):
+    # one process x 2 accumulation steps == two processes x 1 == four processes x 1 at batch 2, step by step,
+    # across epoch boundaries (44 and 47 samples do not divide into whole epochs the same way per process)
+    steps = 12
+    one = per_step(take(ShardedBatches(num_samples, 4, seed=5, grad_accum=2), 2 * steps), 2)
+    two = [take(ShardedBatches(num_samples, 4, seed=5, rank=r, world_size=2), steps) for r in range(2)]
+    four = [take(ShardedBatches(num_samples, 2, seed=5, rank=r, world_size=4), steps) for r in range(4)]
+    assert one == [set(a + b) for a, b in zip(*two)] == [set(sum(batches, [])) for batches in zip(*four)]
 
 
 def test_fewer_samples_than_a_global_batch_is_an_error():
-    with pytest.raises(ValueError, match="fewer than one global batch"):
-        ShardedBatches(5, 3, seed=0, world_size=2)
+    with pytest.raises(ValueError, match="fewer than one global batch of 12"):
+        ShardedBatches(11, 3, seed=0, world_size=2, grad_accum=2)
 
 
 @pytest.mark.parametrize("num_samples,world_size,limit", [(10, 1, None), (10, 3, None), (2, 4, None), (50, 2, 3)])
