@@ -15,7 +15,6 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
-from enum import Enum
 from pathlib import Path
 
 import torch
@@ -27,13 +26,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..hf import loading
 from .batches import ShardedBatches, eval_batches
-from .checkpoint import (keep_trainable_weights_only, latest_checkpoint, load_checkpoint, read_trainer_state,
-                         save_checkpoint)
+from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ConfigError, FinetuneConfig, OnNonFinite, Precision, validate
 from .data import Collator, build_datasets, count_loss_tokens
 from .metrics import METRICS_FILE, MetricsLog, plot_loss_curve
 from .optim import build_optimizer, build_scheduler
 from .profiling import StepProfiler
+from .resume import checkpoint_to_resume, fixed_settings
 
 logger = logging.getLogger("lorafuse.train")
 
@@ -60,7 +59,10 @@ class Finetune:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.accelerator.register_for_checkpointing(self.scheduler)
         keep_trainable_weights_only(self.accelerator)
-        self.state = {"step": 0, "tokens": 0, "skipped_steps": 0, "config": self._fixed_settings()}
+        # log_window: the loss sum and finite steps since the last log line, saved with checkpoints so that a resumed
+        # run logs the same averages as an uninterrupted one.
+        self.state = {"step": 0, "tokens": 0, "skipped_steps": 0, "log_window": [0.0, 0],
+                      "config": fixed_settings(cfg, self.accelerator.num_processes)}
         self._unsummed_tokens = 0  # this process's tokens not yet added to state["tokens"] (see _sum_tokens)
         self._resume()
 
@@ -134,42 +136,10 @@ class Finetune:
                               f"(train.batch_size={train.batch_size} x {self.accelerator.num_processes} processes x "
                               f"train.grad_accum={train.grad_accum}): lower them, or give more data")
 
-    def _fixed_settings(self) -> dict:
-        """The settings a resumed run must share with its checkpoint: they decide the data order, the model and the
-        optimizer state. (train.max_steps, logging, saving and eval settings may change.)"""
-        settings = {f"{group}.{key}": value.value if isinstance(value, Enum) else value
-                    for group in ("data", "lora", "optim") for key, value in vars(getattr(self.cfg, group)).items()
-                    if key != "cache_dir"}
-        train = self.cfg.train
-        settings["train.seed"] = train.seed
-        settings["processes"] = self.accelerator.num_processes  # each restores its own RNG state
-        settings["global batch (train.batch_size x processes x train.grad_accum)"] = (
-            train.batch_size * self.accelerator.num_processes * train.grad_accum)
-        return settings
-
     def _resume(self) -> None:
-        resume = self.cfg.train.resume
-        if resume in (False, "false", "False"):
-            if latest_checkpoint(self.run_dir) is not None:
-                raise ConfigError(f"run_dir={self.run_dir} already holds checkpoints: continue that run with "
-                                  "train.resume=true, or start this one in another run_dir")
-            return
-        checkpoint = latest_checkpoint(self.run_dir) if resume in (True, "true", "True") else Path(resume)
+        checkpoint = checkpoint_to_resume(self.cfg, self.run_dir, self.state["config"])
         if checkpoint is None:
-            raise ConfigError(f"train.resume=true: {self.run_dir}/checkpoints holds no checkpoint yet "
-                              "(pass run_dir=<the run to resume>, or a checkpoint directory as train.resume)")
-        saved = read_trainer_state(checkpoint)
-        if saved is None:
-            raise ConfigError(f"train.resume={resume}: not a checkpoint (a step-N directory under "
-                              "<run_dir>/checkpoints, holding trainer_state.json)")
-        if saved["step"] >= self.cfg.train.max_steps:
-            raise ConfigError(f"train.resume: {checkpoint} is at step {saved['step']}, and train.max_steps="
-                              f"{self.cfg.train.max_steps}: raise train.max_steps to train further")
-        changed = [f"{key}: {saved['config'].get(key)!r} in the checkpoint, {value!r} now"
-                   for key, value in self.state["config"].items() if saved["config"].get(key) != value]
-        if changed:
-            raise ConfigError("train.resume: these settings differ from the checkpoint's, so the run would not "
-                              "continue as it was: " + "; ".join(changed))
+            return
         self.state = load_checkpoint(self.accelerator, checkpoint)
         if self.accelerator.is_main_process:
             logger.info("resumed from %s at step %d", checkpoint, self.state["step"])
@@ -182,7 +152,7 @@ class Finetune:
         batches = self._train_batches(start)
         log = MetricsLog(self.run_dir, resumed_from=start) if acc.is_main_process else None
         profiler = self._profiler(cfg.max_steps - start)
-        window = {"loss_sum": 0.0, "steps": 0, "tokens_before": self.state["tokens"], "time": time.perf_counter()}
+        window = {"tokens_before": self.state["tokens"], "time": time.perf_counter()}
         consecutive_skips = 0
         # Set-up made most of the process's objects (modules, parameters, datasets) and none of them become garbage:
         # frozen, they are left out of the collector's full passes, whose pauses would otherwise stall every
@@ -200,8 +170,8 @@ class Finetune:
                 if not finite:
                     self._non_finite(step, loss, grad_norm, consecutive_skips)
                 self.scheduler.step()
-                window["loss_sum"] += loss if finite else 0.0
-                window["steps"] += finite
+                self.state["log_window"][0] += loss if finite else 0.0
+                self.state["log_window"][1] += finite
                 self._unsummed_tokens += tokens
                 if profiler:
                     profiler.step()
@@ -325,11 +295,13 @@ class Finetune:
     def _log_train(self, step: int, window: dict, grad_norm: float, bar: tqdm, log: MetricsLog | None) -> None:
         self._sum_tokens()
         elapsed = time.perf_counter() - window["time"]
-        loss = window["loss_sum"] / window["steps"] if window["steps"] else float("nan")
+        loss_sum, steps = self.state["log_window"]
+        loss = loss_sum / steps if steps else float("nan")
         row = {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                "tokens_per_s": (self.state["tokens"] - window["tokens_before"]) / elapsed,
                "tokens": self.state["tokens"]}
-        window.update(loss_sum=0.0, steps=0, tokens_before=self.state["tokens"], time=time.perf_counter())
+        self.state["log_window"] = [0.0, 0]
+        window.update(tokens_before=self.state["tokens"], time=time.perf_counter())
         if log is None:
             return
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")

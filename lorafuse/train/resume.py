@@ -1,0 +1,51 @@
+"""Which checkpoint a run continues from, and the refusals that keep a resumed run the same run.
+
+A run directory belongs to one run: a fresh start refuses one that holds checkpoints, and a resumed run must
+keep the settings that decide its data order, model and optimizer state (`fixed_settings`), and have steps left.
+"""
+from enum import Enum
+from pathlib import Path
+
+from .checkpoint import latest_checkpoint, read_trainer_state
+from .config import ConfigError, FinetuneConfig
+
+
+def fixed_settings(cfg: FinetuneConfig, processes: int) -> dict:
+    """The settings a resumed run must share with its checkpoint. (train.max_steps, logging, saving and eval
+    settings may change.)"""
+    settings = {f"{group}.{key}": value.value if isinstance(value, Enum) else value
+                for group in ("data", "lora", "optim") for key, value in vars(getattr(cfg, group)).items()
+                if key != "cache_dir"}
+    settings["train.seed"] = cfg.train.seed
+    settings["processes"] = processes  # each restores its own RNG state
+    settings["global batch (train.batch_size x processes x train.grad_accum)"] = (
+        cfg.train.batch_size * processes * cfg.train.grad_accum)
+    return settings
+
+
+def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> Path | None:
+    """The checkpoint that train.resume names (None: a fresh start), after checking it may be continued with
+    `settings` (fixed_settings of this run)."""
+    resume = cfg.train.resume
+    if resume in (False, "false", "False"):
+        if latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"run_dir={run_dir} already holds checkpoints: continue that run with "
+                              "train.resume=true, or start this one in another run_dir")
+        return None
+    checkpoint = latest_checkpoint(run_dir) if resume in (True, "true", "True") else Path(resume)
+    if checkpoint is None:
+        raise ConfigError(f"train.resume=true: {run_dir}/checkpoints holds no checkpoint yet "
+                          "(pass run_dir=<the run to resume>, or a checkpoint directory as train.resume)")
+    saved = read_trainer_state(checkpoint)
+    if saved is None:
+        raise ConfigError(f"train.resume={resume}: not a checkpoint (a step-N directory under "
+                          "<run_dir>/checkpoints, holding trainer_state.json)")
+    if saved["step"] >= cfg.train.max_steps:
+        raise ConfigError(f"train.resume: {checkpoint} is at step {saved['step']}, and train.max_steps="
+                          f"{cfg.train.max_steps}: raise train.max_steps to train further")
+    changed = [f"{key}: {saved['config'].get(key)!r} in the checkpoint, {value!r} now"
+               for key, value in settings.items() if saved["config"].get(key) != value]
+    if changed:
+        raise ConfigError("train.resume: these settings differ from the checkpoint's, so the run would not "
+                          "continue as it was: " + "; ".join(changed))
+    return checkpoint
