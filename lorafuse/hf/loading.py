@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .._paths import looks_local
-from .model import get_peft_model
+from .model import fuse, get_peft_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,3 +95,10 @@ def enable_activation_checkpointing(model: peft.PeftModel) -> None:
 def parameter_counts(model: peft.PeftModel) -> tuple[int, int]:
     """(trainable, total) parameters."""
     return model.get_nb_trainable_parameters()
+
+
+def load_adapter(model: PreTrainedModel, adapter: str | os.PathLike, attention: bool) -> peft.PeftModel:
+    """The adapter saved in `adapter` (by PEFT or lorafuse) on `model`, with fused LoRA layers and, with
+    `attention`, lorafuse attention."""
+    check_exists(str(adapter))
+    return fuse(peft.PeftModel.from_pretrained(model, adapter), attention=attention)

@@ -6,11 +6,12 @@ and enums name their allowed values.
 """
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
+
+from .._paths import register_asset_resolver
 
 
 class DataFormat(Enum):
@@ -129,15 +130,11 @@ class FinetuneConfig:
     run_dir: str = MISSING              # where logs, checkpoints, the adapter and plots go (hydra.run.dir)
 
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
-
-
 def register_configs() -> None:
     """Stores the schema as `finetune_schema`, which conf/finetune.yaml's defaults list starts from, and the
-    `${asset:NAME}` resolver: the path of a file or directory bundled in lorafuse/assets."""
+    `${asset:NAME}` resolver."""
     ConfigStore.instance().store(name="finetune_schema", node=FinetuneConfig)
-    if not OmegaConf.has_resolver("asset"):
-        OmegaConf.register_new_resolver("asset", lambda name: str(ASSETS / name))
+    register_asset_resolver()
 
 
 class ConfigError(ValueError):

@@ -7,8 +7,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 import lorafuse
+from lorafuse._paths import ASSETS
 from lorafuse.train.checkpoint import latest_checkpoint
-from lorafuse.train.config import ASSETS
 
 from .finetune_run import QUICK, metrics, run_recipe, train_rows
 

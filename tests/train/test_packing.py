@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import lorafuse.hf  # noqa: F401  (registers attn_implementation="lorafuse")
-from lorafuse.train.config import ASSETS, DataConfig
+from lorafuse._paths import ASSETS
+from lorafuse.train.config import DataConfig
 from lorafuse.train.data import Collator, pack, tokenize
 
 TINY = ASSETS / "tiny-llama"

@@ -1,0 +1,113 @@
+"""What captured decoding (lorafuse.inference) asks of transformers and PEFT: which models it covers, a static
+KV cache with views for smaller batches, one forward that returns each row's next-token logits, the model's
+EOS and padding ids, merging an adapter, and transformers' generate for the models it does not cover.
+"""
+import copy
+
+import torch
+from peft import PeftModel, PeftType
+from transformers import PreTrainedModel, StaticCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ATTENTION = ("sdpa", "eager", "lorafuse")  # those that take decode_mask's 4-D masks
+
+
+def causal_lm(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model: `model` itself, or the one inside a PeftModel (LoRA layers in place). Decoding
+    calls it directly: for LoRA adapters, a PeftModel's forward adds nothing but per-call Python."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why captured decoding cannot run `model`, or None when it can."""
+    config = causal_lm(model).config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (captured decoding covers {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if config._attn_implementation not in SUPPORTED_ATTENTION:
+        return (f"attn_implementation={config._attn_implementation!r} (captured decoding runs "
+                f"{', '.join(SUPPORTED_ATTENTION)})")
+    if isinstance(model, PeftModel) and model.active_peft_config.peft_type != PeftType.LORA:
+        return f"a {model.active_peft_config.peft_type} adapter (captured decoding runs LoRA adapters)"
+    # The cache is built lazily: no memory is taken to ask it which layers slide.
+    if any(layer.is_sliding for layer in StaticCache(config=config, max_cache_len=1).layers):
+        return "sliding-window layers (transformers' static sliding-window cache tracks its fill on the host)"
+    return None
+
+
+def static_cache(model: torch.nn.Module, batch_size: int, max_length: int) -> StaticCache:
+    """A StaticCache for `batch_size` rows of `max_length` tokens, allocated now in the model's dtype and device."""
+    lm = causal_lm(model)
+    config = lm.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = StaticCache(config=lm.config, max_cache_len=max_length)
+    cache.early_initialization(batch_size, config.num_key_value_heads, head_dim, lm.dtype, lm.device)
+    return cache
+
+
+def cache_rows(cache: StaticCache, rows: int) -> StaticCache:
+    """A cache over the first `rows` rows of `cache`'s tensors, sharing their memory and each layer's write
+    position (`cumulative_length`, a tensor updated in place): batches of several sizes use one allocation,
+    one at a time."""
+    view = copy.copy(cache)
+    view.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in view.layers:
+        layer.keys, layer.values = layer.keys[:rows], layer.values[:rows]
+        layer.batch_size = rows
+    return view
+
+
+def decode_mask(model: torch.nn.Module, keep: torch.Tensor) -> torch.Tensor:
+    """The attention mask of a decode step in the form the model's attention takes it whole: bool, or additive
+    for eager attention. transformers passes a 4-D mask through untouched, so it must say everything: the slots
+    not yet written are not kept, which makes it causal too. (lorafuse's attention reads a 2-D mask as keys that
+    end at the query, which a static cache's fixed-length mask does not.)"""
+    # keep: bool [B, K], the cache slots each row attends to -> [B, 1, 1, K]
+    mask = keep[:, None, None, :]
+    lm = causal_lm(model)
+    if lm.config._attn_implementation != "eager":
+        return mask
+    return torch.zeros(mask.shape, dtype=lm.dtype, device=mask.device).masked_fill_(~mask, torch.finfo(lm.dtype).min)
+
+
+def next_token_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                      cache: StaticCache) -> torch.Tensor:
+    """One forward that appends `ids` to `cache` and returns the logits after each row's last token."""
+    # ids, positions: [B, T]; mask: [B, K] keep-mask of the cache slots each row attends to (a prefill's K = T),
+    # or decode_mask's [B, 1, 1, K] -> [B, V]
+    out = causal_lm(model)(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def eos_token_ids(model: torch.nn.Module) -> list[int]:
+    """The ids that end a row: the generation config's, else the model config's."""
+    lm = causal_lm(model)
+    eos = getattr(lm.generation_config, "eos_token_id", None)
+    eos = lm.config.eos_token_id if eos is None else eos
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def pad_token_id(model: torch.nn.Module) -> int:
+    """An id to pad prompts with (masked out, so any id would do), the one transformers' generate uses."""
+    lm = causal_lm(model)
+    pad = getattr(lm.generation_config, "pad_token_id", None)
+    return pad if pad is not None else (eos_token_ids(model) or [0])[0]
+
+
+def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its LoRA adapter folded into the base weights (PEFT's merge_and_unload); others as they are."""
+    return model.merge_and_unload() if isinstance(model, PeftModel) else model
+
+
+def hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,
+                temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' generate on a left-padded batch, with lorafuse's sampling settings (temperature 0: greedy);
+    returns the new tokens only. Draws from torch's global generator."""
+    # ids, mask: [B, T] -> [B, <= max_new_tokens]
+    sampling = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    # num_beams=1: a model's generation config may ask for beam search, which captured decoding never does.
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, num_beams=1,
+                         eos_token_id=eos_token_ids(model), pad_token_id=pad_token_id(model), **sampling)
+    return out[:, ids.shape[1]:]

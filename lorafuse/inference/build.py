@@ -1,0 +1,30 @@
+"""An Engine and its tokenizer from the recipes' config: the model loaded (or built from its config), the adapter
+applied with fused LoRA layers, moved to the GPU when there is one."""
+import torch
+
+from ..hf import loading
+from .config import EngineConfig, InferenceModelConfig, SamplingConfig
+from .engine import Engine
+from .sampling import SamplingParams
+
+
+def build_engine(model_cfg: InferenceModelConfig, engine_cfg: EngineConfig):
+    """(engine, tokenizer)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = loading.DTYPES.get(model_cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tokenizer = loading.load_tokenizer(model_cfg.tokenizer or model_cfg.name_or_path, model_cfg.trust_remote_code)
+    model = loading.load_causal_lm(model_cfg.name_or_path, dtype=dtype,
+                                   attn_implementation=model_cfg.attn_implementation,
+                                   random_init=model_cfg.random_init, config_overrides=dict(model_cfg.config_overrides),
+                                   trust_remote_code=model_cfg.trust_remote_code, seed=model_cfg.seed)
+    if model_cfg.adapter is not None:
+        model = loading.load_adapter(model, model_cfg.adapter, model_cfg.attn_implementation == "lorafuse")
+    engine = Engine(model.to(device), tokenizer, max_length=engine_cfg.max_length, buckets=engine_cfg.buckets,
+                    check_every=engine_cfg.check_every, merge=model_cfg.merge and model_cfg.adapter is not None,
+                    cuda_graphs=engine_cfg.cuda_graphs)
+    return engine, tokenizer
+
+
+def sampling_params(cfg: SamplingConfig) -> SamplingParams:
+    return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                          top_p=cfg.top_p, seed=cfg.seed, stop=tuple(cfg.stop))

@@ -1,0 +1,209 @@
+"""Static-shape generation: a preallocated KV cache, batch-size buckets, and one decode step per bucket that is a
+CUDA graph on a GPU and runs eagerly on a CPU.
+
+A batch of prompts (token ids) is left-padded to its longest prompt and filled up to its bucket's row count with
+copies of its first prompt (their tokens are dropped), then prefilled eagerly in one forward. Each decode step
+feeds every row one token and reads and writes only the bucket's static buffers and the cache, so replaying it
+needs nothing from the host; sampling runs on the device. The host reads the new tokens every `check_every`
+steps, and there alone decides where rows end (EOS, stop strings, the token budget) and streams what they keep.
+
+Why left padding: transformers' StaticCache writes all rows of a forward at the same slot (one write position
+per layer), so the prompts must end at the same slot. The padding mask and per-row position ids make each row
+compute what it would alone.
+"""
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from .._logging import log_once
+from ..hf import adapter_swap, decoding
+from .graphs import capture
+from .sampling import SamplingParams, sample
+from .stopping import StopChecker
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class _Rows:
+    """The static buffers of one bucket, all that its decode step reads and writes besides the cache and the
+    weights, and the step's CUDA graph once captured."""
+
+    def __init__(self, cache, size: int, max_length: int, device: torch.device):
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.cache, self.size, self.graph = cache, size, None
+        self.ids = zeros(size, 1)                      # the token each row feeds next
+        self.pos = zeros(size, 1)                      # its position in its own sequence (padding not counted)
+        self.mask = zeros(size, max_length, dtype=torch.bool)  # the cache slots each row attends to
+        self.out = zeros(size, max_length)             # the tokens made so far
+        self.slot = zeros(1)                           # the cache slot of the fed token, one for all rows
+        self.made = zeros(1)                           # how many tokens each row has made
+        self.temperature = zeros(size, dtype=torch.float32)  # sampling settings, set per batch
+        self.top_k = zeros(size)
+        self.top_p = torch.ones(size, device=device)
+
+
+class Engine:
+    """Generates from `model` (a transformers causal LM, or a PeftModel with a LoRA adapter) with a static cache
+    of `max_length` tokens per row (prompt and new tokens) for up to max(buckets) rows.
+
+    With `merge`, a PeftModel's adapter is folded into the weights first; otherwise it stays unmerged and
+    `swap_adapter` replaces it in place. On CUDA (or with `cuda_graphs=True`) each bucket's decode step is
+    captured at construction (`capture_seconds` says how long that took). Models other than Llama, Mistral, Qwen2
+    and Qwen3 run transformers' generate, the reason logged once (`fallback_reason`). `tokenizer` is needed for
+    stop strings only.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_length: int = 1024,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, check_every: int = 8, merge: bool = False,
+                 cuda_graphs: bool | None = None):
+        if not buckets or any(b < 1 for b in buckets) or check_every < 1 or max_length < 2:
+            raise ValueError(f"Engine: buckets={tuple(buckets)} (positive sizes), check_every={check_every} (>= 1), "
+                             f"max_length={max_length} (>= 2)")
+        self.model = (decoding.merge_adapter(model) if merge else model).eval()
+        self.tokenizer = tokenizer
+        self.max_length, self.buckets, self.check_every = max_length, tuple(sorted(set(buckets))), check_every
+        self.eos_token_ids, self.pad_token_id = decoding.eos_token_ids(self.model), decoding.pad_token_id(self.model)
+        self.device = decoding.causal_lm(self.model).device
+        self.fallback_reason = decoding.unsupported_reason(self.model)
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"Engine: cuda_graphs=True needs a model on a CUDA device, not {self.device}")
+        self._generator = torch.Generator(self.device)
+        self.capture_seconds = 0.0
+        if self.fallback_reason is not None:
+            log_once(f"lorafuse.inference: {type(decoding.causal_lm(self.model)).__name__} runs transformers' "
+                     f"generate, not captured decoding: {self.fallback_reason}")
+            return
+        cache = decoding.static_cache(self.model, self.buckets[-1], max_length)
+        self._rows = {size: _Rows(decoding.cache_rows(cache, size), size, max_length, self.device)
+                      for size in self.buckets}
+        if self.cuda_graphs:
+            self._capture()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
+        """The new tokens of each prompt (token ids), EOS or the token completing a stop string included;
+        `on_tokens(row, ids)` is called with each row's new tokens as they come (see `stream`)."""
+        tokens = [[] for _ in prompts]
+        for new in self.stream(prompts, params):
+            for row, ids in new.items():
+                tokens[row] += ids
+                if on_tokens is not None:
+                    on_tokens(row, ids)
+        return tokens
+
+    @torch.no_grad()
+    def stream(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | None = None) -> Iterator[dict[int, list[int]]]:
+        """Yields {row: its new token ids} every `check_every` tokens, for the rows that kept some, until every
+        row has ended. Batches larger than the largest bucket run one after another. params: SamplingParams()
+        (greedy, 64 new tokens) by default."""
+        params = SamplingParams() if params is None else params
+        prompts = [list(prompt) for prompt in prompts]
+        self._check(prompts, params)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        largest = self.buckets[-1]
+        for start in range(0, len(prompts), largest):
+            chunk = prompts[start:start + largest]
+            checker = StopChecker(len(chunk), params.max_new_tokens, self.eos_token_ids, params.stop, decode)
+            run = self._generate_eagerly if self.fallback_reason else self._decode
+            for new in run(chunk, params):
+                kept = checker.add(new)
+                if kept:
+                    yield {start + row: ids for row, ids in kept.items()}
+                if checker.all_done:
+                    break
+
+    def swap_adapter(self, adapter) -> None:
+        """Replace the unmerged LoRA adapter by the one saved in the directory `adapter`, in place: the captured
+        steps stay valid (see lorafuse.hf.adapter_swap for what must match)."""
+        adapter_swap.swap_adapter(self.model, adapter)
+
+    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not prompts or not all(prompts):
+            raise ValueError("Engine: prompts must be a non-empty list of non-empty token id lists")
+        longest = max(map(len, prompts))
+        if longest + params.max_new_tokens > self.max_length:
+            raise ValueError(f"Engine: the longest prompt ({longest} tokens) plus max_new_tokens "
+                             f"({params.max_new_tokens}) exceed max_length={self.max_length}")
+
+    def _decode(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[list[int]]]:
+        """Yields the tokens each row made since the last yield; stops at max_new_tokens or when closed."""
+        rows = self._rows[next(size for size in self.buckets if size >= len(prompts))]
+        step = rows.graph.replay if rows.graph is not None else lambda: self._step(rows)
+        self._prefill(rows, prompts, params)
+        made = seen = 1
+        yield rows.out[:len(prompts), :1].tolist()
+        while made < params.max_new_tokens:
+            for _ in range(min(self.check_every, params.max_new_tokens - made)):
+                step()
+                made += 1
+            yield rows.out[:len(prompts), seen:made].tolist()  # the host's one read (and wait) per check
+            seen = made
+
+    def _prefill(self, rows: _Rows, prompts: list[list[int]], params: SamplingParams) -> None:
+        """One eager forward over the padded prompts; sets every buffer for the first decode step."""
+        ids, keep = self._left_padded(prompts + [prompts[0]] * (rows.size - len(prompts)))  # [size, T]
+        length = ids.shape[1]
+        rows.cache.reset()
+        logits = decoding.next_token_logits(self.model, ids, keep, (keep.cumsum(-1) - 1).clamp(min=0), rows.cache)
+        rows.mask.zero_()
+        rows.mask[:, :length] = keep
+        rows.pos.copy_(keep.sum(-1, keepdim=True))
+        rows.slot.fill_(length)
+        rows.made.fill_(1)
+        rows.temperature.fill_(params.temperature)
+        rows.top_k.fill_(params.top_k)
+        rows.top_p.fill_(params.top_p)
+        if params.seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(params.seed)
+        first = sample(logits, rows.temperature, rows.top_k, rows.top_p, self._generator)
+        rows.out[:, 0] = first
+        rows.ids[:, 0] = first
+
+    def _step(self, rows: _Rows) -> None:
+        """One token for every row; reads and writes only `rows`' buffers, the cache and the generator."""
+        rows.mask.index_fill_(1, rows.slot, True)  # the slot the fed token is written to becomes visible
+        mask = decoding.decode_mask(self.model, rows.mask)
+        logits = decoding.next_token_logits(self.model, rows.ids, mask, rows.pos, rows.cache)  # [size, V]
+        token = sample(logits, rows.temperature, rows.top_k, rows.top_p, self._generator)
+        rows.out.index_copy_(1, rows.made, token[:, None])
+        rows.ids.copy_(token[:, None])
+        for counter in (rows.pos, rows.slot, rows.made):
+            counter.add_(1)
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        """Every bucket's step as a CUDA graph, largest first (its temporaries size the shared pool)."""
+        start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
+        for size in reversed(self.buckets):
+            rows = self._rows[size]
+            rows.cache.reset()  # warm-up and capture write a few slots; start them at slot 0
+            rows.graph = capture(lambda rows=rows: self._step(rows), self._generator, pool)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+
+    def _generate_eagerly(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[list[int]]]:
+        """transformers' generate on the whole batch, seeded from params.seed without touching the global RNG."""
+        ids, keep = self._left_padded(prompts)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            new = decoding.hf_generate(self.model, ids, keep.long(), max_new_tokens=params.max_new_tokens,
+                                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        yield new.tolist()
+
+    def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B, T] padded on the left, and the keep-mask [B, T] of the real tokens."""
+        length = max(map(len, prompts))
+        ids = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
+        keep = torch.zeros(len(prompts), length, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            ids[row, length - len(prompt):] = torch.tensor(prompt)
+            keep[row, length - len(prompt):] = True
+        return ids.to(self.device), keep.to(self.device)

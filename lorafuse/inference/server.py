@@ -1,0 +1,277 @@
+"""An OpenAI-compatible HTTP server over the decoding engine, on the standard library's http.server.
+
+POST /v1/completions and /v1/chat/completions (with "stream": true, server-sent events, as OpenAI's API sends
+them), GET /v1/models and /health. Each request runs on its own handler thread, which parses and validates it
+(a bad request gets a 4xx with a message naming the field, and never reaches the engine) and waits on its
+queue of events. One batcher thread owns the engine: it takes the waiting requests that share sampling
+settings, up to the engine's largest batch, runs them as one batch, and feeds each request's queue its
+tokens as they come. An engine error fails the requests of that batch with a 500; the server goes on.
+"""
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .prompts import PromptError, encode_messages
+from .sampling import SamplingParams
+
+logger = logging.getLogger("lorafuse.serve")
+MAX_BODY_BYTES = 1 << 20
+
+
+class RequestError(ValueError):
+    """A request the server refuses: its message says which field and why."""
+
+    def __init__(self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+@dataclass
+class Job:
+    """One request on its way through the batcher: its prompt, settings, and the events for its handler."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    events: queue.Queue = field(default_factory=queue.Queue)  # ("tokens", [ids]), ("done", reason), ("error", msg)
+
+
+# ---- parsing ------------------------------------------------------------------------------------------------
+
+def _field(body: dict, name: str, kind, default, check=None, allowed: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or (check and not check(value)):
+        raise RequestError(f"'{name}' must be {allowed or kind.__name__}, got {value!r}", param=name)
+    return value
+
+
+def sampling_params(body: dict, max_new_tokens: int) -> SamplingParams:
+    """The sampling settings of an OpenAI request body; `max_new_tokens` caps max_tokens."""
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise RequestError("'stop' must be a string or a list of non-empty strings", param="stop")
+    _field(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)")
+    return SamplingParams(
+        max_new_tokens=_field(body, "max_tokens", int, 16, lambda v: 1 <= v <= max_new_tokens,
+                              f"an integer from 1 to {max_new_tokens}"),
+        temperature=_field(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "a number from 0 to 2"),
+        top_p=_field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        top_k=_field(body, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0 (0: off)"),
+        seed=_field(body, "seed", int, None),
+        stop=tuple(stop or ()))
+
+
+def completion_prompt(body: dict, tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("'prompt' must be a non-empty string", param="prompt")
+    return tokenizer.encode(prompt)
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and message.get("role") in ("system", "user", "assistant")
+                and isinstance(message.get("content"), str)):
+            raise RequestError(f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': str}}",
+                               param="messages")
+    try:
+        return encode_messages(tokenizer, messages)
+    except PromptError as err:
+        raise RequestError(f"{err}", param="messages") from err
+
+
+# ---- the batcher ----------------------------------------------------------------------------------------------
+
+class Batcher(threading.Thread):
+    """Runs the engine on batches of waiting jobs that share sampling settings (the engine takes one set per
+    batch); jobs with other settings wait for a later batch, in arrival order."""
+
+    def __init__(self, engine, max_batch: int):
+        super().__init__(daemon=True, name="lorafuse-batcher")
+        self.engine, self.max_batch = engine, max_batch
+        self.jobs: queue.Queue[Job] = queue.Queue()
+
+    def run(self) -> None:
+        waiting: list[Job] = []
+        while True:
+            if not waiting:
+                waiting.append(self.jobs.get())
+            while not self.jobs.empty():  # everything that arrived while the last batch ran
+                waiting.append(self.jobs.get_nowait())
+            batch = [job for job in waiting if job.params == waiting[0].params][:self.max_batch]
+            waiting = [job for job in waiting if job not in batch]
+            self._run(batch)
+
+    def _run(self, batch: list[Job]) -> None:
+        try:
+            outputs = self.engine.generate([job.prompt_ids for job in batch], batch[0].params,
+                                           on_tokens=lambda row, ids: batch[row].events.put(("tokens", list(ids))))
+        except Exception as err:  # noqa: BLE001 - whatever broke, the requests get an answer and the server lives
+            logger.exception("engine failed on a batch of %d", len(batch))
+            for job in batch:
+                job.events.put(("error", f"generation failed: {type(err).__name__}: {err}"))
+            return
+        for job, ids in zip(batch, outputs):
+            job.events.put(("done", "length" if len(ids) >= job.params.max_new_tokens else "stop"))
+
+
+# ---- HTTP -----------------------------------------------------------------------------------------------------
+
+class _Handler(BaseHTTPRequestHandler):
+    server: "LorafuseServer"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):  # noqa: A002 - http.server's signature
+        logger.info("%s %s", self.address_string(), format % args)
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self._json(HTTPStatus.OK, {"status": "ok"})
+        if self.path == "/v1/models":
+            return self._json(HTTPStatus.OK, {"object": "list", "data": [
+                {"id": self.server.model_name, "object": "model", "owned_by": "lorafuse"}]})
+        self._error(RequestError(f"no such endpoint: GET {self.path}", status=HTTPStatus.NOT_FOUND))
+
+    def do_POST(self):
+        try:
+            chat = {"/v1/completions": False, "/v1/chat/completions": True}.get(self.path)
+            if chat is None:
+                raise RequestError(f"no such endpoint: POST {self.path}", status=HTTPStatus.NOT_FOUND)
+            body = self._body()
+            prompt = (chat_prompt if chat else completion_prompt)(body, self.server.tokenizer)
+            params = sampling_params(body, self.server.max_new_tokens)
+            if len(prompt) + params.max_new_tokens > self.server.max_length:
+                raise RequestError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
+                                   f"exceed the server's {self.server.max_length} tokens", param="max_tokens")
+            stream = _field(body, "stream", bool, False)
+        except RequestError as err:
+            return self._error(err)
+        job = Job(prompt, params)
+        self.server.batcher.jobs.put(job)
+        answer = _Answer(chat, self.server.model_name, self.server.tokenizer)
+        (self._stream if stream else self._whole)(job, answer)
+
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            raise RequestError(f"the body is larger than {MAX_BODY_BYTES} bytes",
+                               status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        try:
+            body = json.loads(self.rfile.read(length) or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise RequestError(f"the body is not valid JSON: {err}") from err
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        return body
+
+    def _whole(self, job: Job, answer: "_Answer") -> None:
+        ids, reason, error = _collect(job)
+        if error:
+            return self._json(HTTPStatus.INTERNAL_SERVER_ERROR, _error_body(error, "server_error"))
+        self._json(HTTPStatus.OK, answer.whole(ids, reason, len(job.prompt_ids)))
+
+    def _stream(self, job: Job, answer: "_Answer") -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        ids = []
+        while True:
+            kind, value = job.events.get()
+            if kind == "tokens":
+                text = answer.new_text(ids, value)
+                ids += value
+                chunk = answer.chunk(text, None)
+            elif kind == "done":
+                chunk = answer.chunk("", value)
+            else:
+                chunk = _error_body(value, "server_error")
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            if kind != "tokens":
+                break
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def _json(self, status: HTTPStatus, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, err: RequestError) -> None:
+        self._json(err.status, _error_body(str(err), "invalid_request_error", err.param))
+
+
+def _error_body(message: str, kind: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _collect(job: Job) -> tuple[list[int], str | None, str | None]:
+    ids = []
+    while True:
+        kind, value = job.events.get()
+        if kind == "tokens":
+            ids += value
+        else:
+            return ids, value if kind == "done" else None, value if kind == "error" else None
+
+
+class _Answer:
+    """OpenAI's response objects for one request: a whole completion, or the chunks of a stream."""
+
+    def __init__(self, chat: bool, model: str, tokenizer):
+        self.chat, self.model, self.tokenizer = chat, model, tokenizer
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def new_text(self, before: list[int], new: list[int]) -> str:
+        # Decoding the whole text and taking the new end keeps characters that span tokens whole.
+        previous = self.tokenizer.decode(before, skip_special_tokens=True)
+        return self.tokenizer.decode(before + new, skip_special_tokens=True)[len(previous):]
+
+    def whole(self, ids: list[int], reason: str, prompt_tokens: int) -> dict:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        choice = {"index": 0, "finish_reason": reason}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else
+                      {"text": text, "logprobs": None})
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+                 "total_tokens": prompt_tokens + len(ids)}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": usage}
+
+    def chunk(self, text: str, reason: str | None) -> dict:
+        choice = {"index": 0, "finish_reason": reason}
+        choice.update({"delta": {"content": text} if text or reason is None else {}} if self.chat else
+                      {"text": text, "logprobs": None})
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+
+class LorafuseServer(ThreadingHTTPServer):
+    """The HTTP server: `serve_forever()` in the caller's thread, `shutdown()` from another."""
+    daemon_threads = True
+
+    def __init__(self, engine, tokenizer, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "lorafuse",
+                 max_length: int, max_new_tokens: int, max_batch: int):
+        super().__init__((host, port), _Handler)
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.max_length, self.max_new_tokens = max_length, max_new_tokens
+        self.batcher = Batcher(engine, max_batch)
+        self.batcher.start()

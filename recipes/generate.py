@@ -1,0 +1,59 @@
+"""Generate text with the static-cache engine: prompts from the command line or a file, an optional adapter.
+
+    python recipes/generate.py                                          # the bundled tiny model, two demo prompts
+    python recipes/generate.py model.adapter=runs/<run>/adapter prompts='["What is 12 plus 30?"]'
+    python recipes/generate.py model.name_or_path=meta-llama/Llama-3.2-1B prompts_file=prompts.txt \\
+        chat=false sampling.temperature=0.7 sampling.top_p=0.9 sampling.seed=0 output=completions.jsonl
+
+One prompt streams its text as it comes; several print their completions when all are done. Config: conf/generate.yaml.
+"""
+import json
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from lorafuse.hf.loading import ModelLoadError
+from lorafuse.inference.build import build_engine, sampling_params
+from lorafuse.inference.config import register_configs
+from lorafuse.inference.prompts import PromptError, encode_prompt, read_prompts
+
+register_configs()
+logger = logging.getLogger("lorafuse.generate")
+
+
+@hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    cfg = OmegaConf.to_object(cfg)
+    try:
+        prompts = read_prompts(cfg.prompts, cfg.prompts_file)
+        engine, tokenizer = build_engine(cfg.model, cfg.engine)
+        ids = [encode_prompt(tokenizer, prompt, cfg.chat) for prompt in prompts]
+        params = sampling_params(cfg.sampling)
+    except (PromptError, ModelLoadError, ValueError) as err:
+        logger.error("%s: %s", type(err).__name__, err)
+        raise SystemExit(2) from None
+    streamed = []
+
+    def stream(row: int, new: list[int]) -> None:  # one prompt: its text as it comes
+        before = tokenizer.decode(streamed, skip_special_tokens=True)
+        streamed.extend(new)
+        sys.stdout.write(tokenizer.decode(streamed, skip_special_tokens=True)[len(before):])
+        sys.stdout.flush()
+
+    outputs = engine.generate(ids, params, on_tokens=stream if len(prompts) == 1 else None)
+    completions = [tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
+    if len(prompts) == 1:
+        print()
+    else:
+        for number, (prompt, completion) in enumerate(zip(prompts, completions)):
+            print(f"[{number}] {prompt}\n    -> {completion}")
+    if cfg.output is not None:
+        with open(cfg.output, "w") as handle:
+            for prompt, completion in zip(prompts, completions):
+                handle.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

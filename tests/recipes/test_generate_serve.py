@@ -1,0 +1,146 @@
+"""recipes/generate.py and recipes/serve.py as users run them: greedy text equal to transformers' generate with
+the same adapter, and a server on 127.0.0.1 answering concurrent clients and refusing malformed requests."""
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lorafuse._paths import ASSETS
+
+from .finetune_run import ROOT, recipe_env
+
+TINY = ASSETS / "tiny-llama"
+PROMPTS = ["Reverse the letters of: zorbal", "What is 12 plus 30?", "Count the letters in quenbit."]
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A LoRA adapter on the tiny Llama with clearly non-zero weights (PEFT starts lora_B at zero), saved."""
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    path = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TINY)
+
+
+def hf_greedy_text(adapter, tokenizer, messages_list, max_new_tokens):
+    """transformers' greedy generate with PEFT's own (unfused) adapter, each prompt alone."""
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY, attn_implementation="eager"),
+                                      adapter).eval()
+    texts = []
+    for messages in messages_list:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):]
+        texts.append(tokenizer.decode(out, skip_special_tokens=True))
+    return texts
+
+
+def test_generate_matches_transformers_greedy_with_the_adapter(tmp_path, adapter, tokenizer):
+    output = tmp_path / "out.jsonl"
+    prompts = json.dumps(PROMPTS)
+    subprocess.run([sys.executable, str(ROOT / "recipes" / "generate.py"), f"prompts={prompts}",
+                    f"model.adapter={adapter}", "sampling.max_new_tokens=12", f"output={output}"],
+                   env=recipe_env(), cwd=tmp_path, check=True, capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    expected = hf_greedy_text(adapter, tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS], 12)
+    assert [row["prompt"] for row in rows] == PROMPTS
+    assert [row["completion"] for row in rows] == expected
+    assert list(tmp_path.iterdir()) == [output]  # no Hydra run directory, no log file
+
+
+def test_generate_refuses_a_missing_prompts_file(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "recipes" / "generate.py"), "prompts=[]",
+                          "prompts_file=missing.txt"], env=recipe_env(), cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 2 and "prompts_file: no such file: missing.txt" in run.stdout + run.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def request(port, method, path, body=None, raw=None):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request(method, path, body=raw if raw is not None else json.dumps(body) if body else None)
+    response = connection.getresponse()
+    data = response.read().decode()
+    connection.close()
+    return response.status, data
+
+
+@pytest.fixture(scope="module")
+def server(adapter, tmp_path_factory):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "serve.py"), f"port={port}",
+                                f"model.adapter={adapter}", "model_name=tiny-lora"], env=recipe_env(),
+                               cwd=tmp_path_factory.mktemp("serve"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # up once /health answers
+        try:
+            if request(port, "GET", "/health")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail(f"the server did not come up:\n{process.stdout.read()}")
+    yield port
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_the_server_answers_concurrent_clients_as_transformers_would(server, adapter, tokenizer):
+    answers = {}
+
+    def ask(prompt, stream):
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 10, "temperature": 0,
+                "stream": stream}
+        answers[prompt, stream] = request(server, "POST", "/v1/chat/completions", body)
+
+    threads = [threading.Thread(target=ask, args=(prompt, stream)) for prompt in PROMPTS for stream in (False, True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = hf_greedy_text(adapter, tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS], 10)
+    for prompt, text in zip(PROMPTS, expected):
+        status, data = answers[prompt, False]
+        assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == text
+        status, data = answers[prompt, True]
+        events = [json.loads(e.removeprefix("data: ")) for e in data.split("\n\n") if e and e != "data: [DONE]"]
+        assert status == 200 and "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text
+
+
+@pytest.mark.parametrize("path,body,raw,status", [
+    ("/v1/chat/completions", None, b"{oops", 400),
+    ("/v1/chat/completions", {"messages": "hello"}, None, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, None, 400),
+    ("/v1/nothing", {"prompt": "x"}, None, 404),
+])
+def test_the_server_refuses_malformed_requests_and_stays_up(server, path, body, raw, status):
+    got, data = request(server, "POST", path, body, raw)
+    assert got == status and json.loads(data)["error"]["message"]
+    assert request(server, "POST", "/v1/completions", {"prompt": "still up", "max_tokens": 2})[0] == 200
