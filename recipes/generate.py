@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from lorafuse.hf.loading import ModelLoadError
 from lorafuse.inference.build import build_engine, sampling_params
 from lorafuse.inference.config import register_configs
-from lorafuse.inference.prompts import PromptError, encode_prompt, read_prompts
+from lorafuse.inference.prompts import PromptError, encode_prompt, new_text, read_prompts
 
 register_configs()
 logger = logging.getLogger("lorafuse.generate")
@@ -37,10 +37,9 @@ def main(cfg: DictConfig) -> None:
     streamed = []
 
     def stream(row: int, new: list[int]) -> None:  # one prompt: its text as it comes
-        before = tokenizer.decode(streamed, skip_special_tokens=True)
-        streamed.extend(new)
-        sys.stdout.write(tokenizer.decode(streamed, skip_special_tokens=True)[len(before):])
+        sys.stdout.write(new_text(tokenizer, streamed, new))
         sys.stdout.flush()
+        streamed.extend(new)
 
     outputs = engine.generate(ids, params, on_tokens=stream if len(prompts) == 1 else None)
     completions = [tokenizer.decode(out, skip_special_tokens=True) for out in outputs]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .prompts import PromptError, encode_messages
+from .prompts import PromptError, encode_messages, new_text
 from .sampling import SamplingParams
 
 logger = logging.getLogger("lorafuse.serve")
@@ -193,7 +193,7 @@ class _Handler(BaseHTTPRequestHandler):
         while True:
             kind, value = job.events.get()
             if kind == "tokens":
-                text = answer.new_text(ids, value)
+                text = new_text(self.server.tokenizer, ids, value)
                 ids += value
                 chunk = answer.chunk(text, None)
             elif kind == "done":
@@ -240,11 +240,6 @@ class _Answer:
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-
-    def new_text(self, before: list[int], new: list[int]) -> str:
-        # Decoding the whole text and taking the new end keeps characters that span tokens whole.
-        previous = self.tokenizer.decode(before, skip_special_tokens=True)
-        return self.tokenizer.decode(before + new, skip_special_tokens=True)[len(previous):]
 
     def whole(self, ids: list[int], reason: str, prompt_tokens: int) -> dict:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

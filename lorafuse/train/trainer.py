@@ -121,8 +121,7 @@ class Finetune:
         # The main process tokenizes first and fills datasets' cache; the others then read it.
         with self.accelerator.main_process_first():
             train_set, eval_set = build_datasets(self.cfg.data, self.tokenizer, self.cfg.train.seed)
-        collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
-        self.collate = collate
+        self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
         if self.accelerator.is_main_process:
             logger.info("data %s: %d training rows, %s eval rows", self.cfg.data.path, len(train_set),
                         len(eval_set) if eval_set is not None else "no")
