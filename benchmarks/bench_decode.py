@@ -1,81 +1,89 @@
-"""Decoding speed: lorafuse's static-cache engine (CUDA graphs per bucket) against transformers' generate, with the
-adapter merged and unmerged, beside the GPU's copy bandwidth (batch-1 decoding reads every weight per token).
+"""Decoding speed: lorafuse's static-cache engine (one CUDA graph per batch bucket) against transformers' generate,
+with the LoRA adapter merged and unmerged, beside the GPU's copy bandwidth (batch-1 decoding reads every weight per
+token).
 
-    python benchmarks/bench_decode.py [--quick] [--out DIR]
+    python benchmarks/bench_decode.py [--quick] [--shapes 1B,8B] [--profile] [--out DIR]
 
-First a check: on the bundled tiny Llama, every bucket's graph replay gives the tokens of the same engine run
-eagerly, before and after an adapter swap. Then Llama-3.2-1B-shaped models with random bf16 weights and a LoRA
-adapter (r=16, all linear layers), a 128-token prompt and 256 new tokens (--quick: 64 new tokens, batch 1,
-no compiled transformers). EOS is switched off so that every run makes all its tokens. Rows: <out>/decode.csv.
+Models: Llama shapes with random bf16 weights built from a config (no download), attn_implementation "sdpa" for
+transformers and "lorafuse" for lorafuse; a LoRA adapter r=16 on all linear layers with B drawn N(0, 0.02) so that
+it changes the output. EOS is switched off so that every run makes all its tokens. A 128-token prompt and 256 new
+tokens (--quick: 64 new tokens, batch 1, 1B only, no compiled transformers); batches 1 and 8.
+
+Providers:
+  hf_eager            transformers' generate on the base model (dynamic cache, eager) - the baseline
+  hf_static_compiled  the same with cache_implementation="static" (transformers compiles the decode step on the
+                      first call; that call's time is the row's capture_s)
+  lorafuse_merged     Engine(merge=True): the adapter folded into the weights, decode steps replayed from graphs
+  lorafuse_unmerged   Engine(merge=False): fused LoRA layers on the unmerged adapter, same graphs
+  copy                a 2 GiB device-to-device copy (read + write bytes per second): the bandwidth yardstick
+
+Per decode step: (time of G new tokens - time of 1 new token) / (G - 1), so the prefill is left out; each the
+median of 3 timed calls after a warm-up call (hf_eager: one timed call). GBps = bytes of the base weights
+(embedding counted once, tied as the lm_head) / time per step. Rows: <out>/decode.csv (bench and mode
+`decode`, shape `llama1B_B1_P128_G256`, metrics tokens_per_s = batch * G / time of the G-token call, GBps,
+capture_s), baseline hf_eager, ratio = time per step / hf_eager's.
+Correctness of the replayed graphs: tests/inference/test_cuda_graphs.py.
 """
 import argparse
 import os
+import sys
 import time
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import lorafuse
-from lorafuse._paths import ASSETS
-from lorafuse.inference import Engine, SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import LogWatch, environment, print_profile, write_rows  # noqa: E402
 
-from common import environment, write_rows
+import lorafuse  # noqa: E402
+from lorafuse._paths import ASSETS  # noqa: E402
+from lorafuse.inference import Engine, SamplingParams  # noqa: E402
 
-LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0)
+SHAPES = {
+    "1B": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
+    "8B": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0),
+}
+PROMPT = 128
 
 
-def lora_model(config_overrides: dict, dtype: torch.dtype, seed: int = 0):
-    """A random-weight Llama on the GPU with a LoRA adapter whose B is non-zero (so that it changes the output)."""
-    config = AutoConfig.from_pretrained(ASSETS / "tiny-llama", **config_overrides)
-    config.eos_token_id = None  # every run makes all its tokens
-    torch.manual_seed(seed)
+def base_model(shape: str):
+    """A random-weight bf16 Llama of `shape` on the GPU, attn_implementation="sdpa", EOS off; the same weights on
+    every call."""
+    config = AutoConfig.from_pretrained(ASSETS / "tiny-llama", **SHAPES[shape], max_position_embeddings=4096)
+    config.eos_token_id = None
+    torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.generation_config.eos_token_id = None
-    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    return model.eval()
+
+
+def lora_model(shape: str):
+    """base_model(shape) with a LoRA adapter (r=16, all linear layers, non-zero B), fused: lorafuse's LoRA layers
+    and attention."""
+    peft_model = get_peft_model(base_model(shape), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    generator = torch.Generator("cuda").manual_seed(1)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.02)
-    return lorafuse.fuse(peft_model).eval()  # fused LoRA layers, lorafuse attention (unfuse: PEFT's, sdpa)
+                param.normal_(0, 0.02, generator=generator)
+    return lorafuse.fuse(peft_model).eval()
 
 
-def check_graphs_against_eager(out_dir: str) -> None:
-    """Every bucket: graph replay tokens == eager tokens (greedy, bf16), and again after swapping the adapter."""
-    model = lora_model({}, torch.bfloat16)
-    other = lora_model({}, torch.bfloat16, seed=1)
-    swapped = os.path.join(out_dir, "other_adapter")
-    other.save_pretrained(swapped)
-    eager = Engine(model, max_length=96, cuda_graphs=False)
-    graphs = Engine(model, max_length=96, cuda_graphs=True)
-    params = SamplingParams(max_new_tokens=24)
-    generator = torch.Generator().manual_seed(0)
-    for stage in ("adapter A", "after swapping to adapter B"):
-        for size in graphs.buckets:
-            prompts = [torch.randint(3, 500, (int(n),), generator=generator).tolist()
-                       for n in torch.randint(1, 40, (size,), generator=generator)]
-            assert graphs.generate(prompts, params) == eager.generate(prompts, params), (stage, size)
-        print(f"check: graph replay == eager for buckets {graphs.buckets} ({stage}); "
-              f"capture {graphs.capture_seconds:.2f} s")
-        graphs.swap_adapter(swapped)  # the eager engine shares the model: both now run adapter B
-
-
-def copy_bandwidth_gbps(n_bytes: int = 2 << 30) -> float:
+def copy_gbps(n_bytes: int = 2 << 30) -> float:
+    import triton
     source = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_()
     target = torch.empty_like(source)
-    ms = triton_ms(lambda: target.copy_(source))
+    ms = triton.testing.do_bench(lambda: target.copy_(source), warmup=25, rep=200, return_mode="median")
     return 2 * n_bytes / ms / 1e6  # read + write
 
 
-def triton_ms(fn) -> float:
-    import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=200, quantiles=[0.5])[0]
-
-
 def seconds(fn, repeats: int = 3) -> float:
-    """Median wall time of fn() (it synchronises itself: generate returns tokens on the host)."""
+    """Median wall time of `repeats` calls of fn() (fn returns tokens on the host: it has synchronised); the caller
+    has warmed it up."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -86,58 +94,103 @@ def seconds(fn, repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def hf_provider(model, ids, new: int, compiled: bool):
+    """(time of `new` tokens, time of 1 token, first-call seconds when compiled) for transformers' greedy generate;
+    eager generate is slow and steady: timed once."""
+    extra = {"cache_implementation": "static"} if compiled else {}
+
+    def run(n):
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, **extra)
+    start = time.perf_counter()
+    run(new)  # warm-up; with a static cache it compiles the decode step
+    run(1)
+    torch.cuda.synchronize()
+    first_call = time.perf_counter() - start
+    repeats = 3 if compiled else 1
+    return seconds(lambda: run(new), repeats), seconds(lambda: run(1), repeats), first_call if compiled else None
+
+
+def engine_provider(engine: Engine, prompts, new: int):
+    """(time of `new` tokens, time of 1 token, capture seconds) for lorafuse's engine, greedy."""
+    many, one = SamplingParams(max_new_tokens=new), SamplingParams(max_new_tokens=1)
+    engine.generate(prompts, many)  # warm-up
+    return seconds(lambda: engine.generate(prompts, many)), seconds(lambda: engine.generate(prompts, one)), \
+        engine.capture_seconds
+
+
+def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, tags: dict, bandwidth: float):
+    rows, table = [], []
+    base = base_model(shape)
+    weight_bytes = sum(p.numel() * p.element_size() for p in base.parameters())  # tied embedding counted once
+    unmerged = lora_model(shape)
+    merged = lora_model(shape)
+    engines = {"lorafuse_merged": Engine(merged, max_length=PROMPT + new, merge=True),
+               "lorafuse_unmerged": Engine(unmerged, max_length=PROMPT + new)}
+    for batch in batches:
+        key = f"llama{shape}_B{batch}_P{PROMPT}_G{new}"
+        prompts = torch.randint(3, 120000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).tolist()
+        ids = torch.tensor(prompts, device="cuda")
+        results = {"hf_eager": hf_provider(base, ids, new, compiled=False)}
+        if compiled:
+            results["hf_static_compiled"] = hf_provider(base, ids, new, compiled=True)
+        for provider, engine in engines.items():
+            results[provider] = engine_provider(engine, prompts, new)
+        per_step = {p: (total - first) / (new - 1) for p, (total, first, _) in results.items()}
+        for provider, (total, _, capture) in results.items():
+            common = dict(tags, bench="decode", shape=key, provider=provider, mode="decode",
+                          median_ms=1000 * per_step[provider], p20_ms="", p80_ms="", baseline="hf_eager",
+                          ratio=per_step[provider] / per_step["hf_eager"])
+            gbps = weight_bytes / per_step[provider] / 1e9
+            rows += [dict(common, metric="tokens_per_s", value=batch * new / total),
+                     dict(common, metric="GBps", value=gbps)]
+            if capture is not None:
+                rows.append(dict(common, metric="capture_s", value=capture))
+            table.append((key, provider, batch * new / total, 1000 * per_step[provider], gbps, gbps / bandwidth,
+                          capture))
+        if profile and batch == batches[0]:
+            for provider, engine in engines.items():
+                # eager steps run the graphs' kernels; 1-token prompts make the prefill one more decode-sized step
+                eager = Engine(engine.model, max_length=32, buckets=(batch,), cuda_graphs=False)
+                eager.generate([[5]] * batch, SamplingParams(max_new_tokens=16))
+                print_profile(f"{key} {provider}: 16 tokens from 1-token prompts (times per 16 tokens)",
+                              lambda: eager.generate([[5]] * batch, SamplingParams(max_new_tokens=16)), steps=1,
+                              kernels=25)
+    print(f"  {shape}: weights {weight_bytes / 1e9:.2f} GB")
+    del base, unmerged, merged, engines
+    torch.cuda.empty_cache()
+    return rows, table
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_decode"))
+    parser.add_argument("--shapes", default="1B,8B", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--profile", action="store_true", help="print the largest GPU kernels of decode steps")
+    parser.add_argument("--out", default=None, help="directory of decode.csv (default: benchmarks/results and $OUT)")
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    check_graphs_against_eager(args.out)
-
-    prompt_len, new = 128, 64 if args.quick else 256
-    batches = (1,) if args.quick else (1, 8)
-    tags, rows, table = environment(), [], []
-    bandwidth = copy_bandwidth_gbps()
-    rows.append(dict(tags, bench="decode", shape="copy_2GiB", provider="copy", mode="copy", median_ms="",
-                     p20_ms="", p80_ms="", metric="GBps", value=bandwidth, baseline="", ratio=""))
-    model = lora_model(LLAMA_1B, torch.bfloat16)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.get_base_model().parameters())
-    for batch in batches:
-        shape = f"llama1B_B{batch}_P{prompt_len}_G{new}"
-        prompts = torch.randint(3, 120000, (batch, prompt_len)).tolist()
-        params = SamplingParams(max_new_tokens=new)
-        one = SamplingParams(max_new_tokens=1)
-        ids = torch.tensor(prompts, device="cuda")
-        results = {}
-        hf = lambda n: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,  # noqa: E731
-                                      min_new_tokens=n, do_sample=False)
-        lorafuse.unfuse(model)  # transformers' own model, as users run it: sdpa attention, no adapter
-        with model.disable_adapter():
-            results["hf_eager"] = (seconds(lambda: hf(new), 1 if args.quick else 3), seconds(lambda: hf(1)), None)
-        lorafuse.fuse(model)
-        for provider, merge in (("lorafuse_unmerged", False), ("lorafuse_merged", True)):
-            source = model if not merge else lora_model(LLAMA_1B, torch.bfloat16)
-            engine = Engine(source, max_length=prompt_len + new, merge=merge, buckets=(1, 2, 4, 8, 16, 32))
-            engine.generate(prompts, params)  # warm-up
-            results[provider] = (seconds(lambda: engine.generate(prompts, params)),
-                                 seconds(lambda: engine.generate(prompts, one)), engine.capture_seconds)
-        for provider, (total, first, capture) in results.items():
-            decode_s = (total - first) / (new - 1)  # per decode step, prefill left out
-            gbps = weight_bytes / decode_s / 1e9
-            common = dict(tags, bench="decode", shape=shape, provider=provider, mode="decode",
-                          median_ms=1000 * decode_s, p20_ms="", p80_ms="", baseline="hf_eager",
-                          ratio=decode_s / ((results["hf_eager"][0] - results["hf_eager"][1]) / (new - 1)))
-            rows.append(dict(common, metric="tokens_per_s", value=batch * new / total))
-            rows.append(dict(common, metric="GBps", value=gbps))
-            if capture is not None:
-                rows.append(dict(common, metric="capture_s", value=capture))
-            table.append((shape, provider, batch * new / total, 1000 * decode_s, gbps, gbps / bandwidth, capture))
-    write_rows(rows, "decode", [args.out])
-    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB")
-    print(f"{'shape':24s} {'provider':18s} {'tok/s':>8s} {'ms/step':>8s} {'GB/s':>7s} {'of copy':>8s} {'capture s':>9s}")
-    for shape, provider, tps, ms, gbps, frac, capture in table:
-        print(f"{shape:24s} {provider:18s} {tps:8.0f} {ms:8.3f} {gbps:7.0f} {frac:8.2f} "
-              f"{'' if capture is None else f'{capture:9.2f}'}")
+    shapes = ["1B"] if args.quick else args.shapes.split(",")
+    new, batches = (64, (1,)) if args.quick else (256, (1, 8))
+    watch, tags = LogWatch(), environment()
+    bandwidth = copy_gbps()
+    rows = [dict(tags, bench="decode", shape="copy_2GiB", provider="copy", mode="copy", median_ms="", p20_ms="",
+                 p80_ms="", metric="GBps", value=bandwidth, baseline="", ratio="")]
+    table = []
+    for shape in shapes:
+        shape_rows, shape_table = bench_shape(shape, batches, new, not args.quick, args.profile, tags, bandwidth)
+        rows += shape_rows
+        table += shape_table
+    out_dirs = [args.out] if args.out else [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")] + (
+        [os.environ["OUT"]] if os.environ.get("OUT") else [])
+    write_rows(rows, "decode", out_dirs)
+    if watch.messages:
+        print(f"\nWARNING: lorafuse fell back {len(watch.messages)} time(s): rows may not time its kernels")
+    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s")
+    print(f"{'shape':22s} {'provider':19s} {'tok/s':>8s} {'ms/step':>8s} {'GB/s':>7s} {'of copy':>8s} "
+          f"{'capture s':>9s}")
+    for key, provider, tps, ms, gbps, fraction, capture in table:
+        capture = "" if capture is None else f"{capture:9.2f}"
+        print(f"{key:22s} {provider:19s} {tps:8.0f} {ms:8.3f} {gbps:7.0f} {fraction:8.2f} {capture:>9s}")
 
 
 if __name__ == "__main__":

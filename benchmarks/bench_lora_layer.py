@@ -4,12 +4,17 @@
     python benchmarks/bench_lora_layer.py --sweep         # also time GEMM tile configs vs cuBLAS
     python benchmarks/bench_lora_layer.py --no-compiled   # skip torch.compile of PEFT (slow to build)
     python benchmarks/bench_lora_layer.py --check-only    # correctness on the GPU, no timing
+    python benchmarks/bench_lora_layer.py --decode-only   # checks, then decode sizes only
+    python benchmarks/bench_lora_layer.py --no-check --sweep-decode  # lora_decode launch configs, nothing else
 
 Providers: base (the frozen nn.Linear alone: the floor), peft, peft_compiled, lorafuse
 (`lorafuse.fuse` on the same PeftModel: defaults, PEFT's float32 adapters computed exactly),
 lorafuse_fast (LORAFUSE_ADAPTER_MATH=fast: adapter products in bf16), and lorafuse_triton /
 lorafuse_cublas (the two GEMM back-ends forced). bf16, r=16, 8192 tokens, forward and
-forward+backward (frozen base weight, input requiring grad); decode sizes forward only.
+forward+backward (frozen base weight, input requiring grad); decode sizes forward only, with two more
+providers there: lorafuse_bf16 (the adapters cast to bf16, as lorafuse.inference.Engine serves them) and
+lorafuse_matmul (that, with the single Triton GEMM that fuses the shrink into its K-loop, LORAFUSE_GEMM=triton),
+lorafuse_stacked (bf16, lora_A stored after the frozen weight as the Engine lays it out: one GEMM, one expand).
 Rows go to benchmarks/results/lora_layer.csv (and $OUT when set); ratio = time / base time.
 """
 import argparse
@@ -27,6 +32,7 @@ from benchmarks.common import capture, environment, time_ms, write_rows  # noqa:
 import lorafuse  # noqa: E402
 from lorafuse.ops import lora_linear_reference  # noqa: E402
 from lorafuse.ops.lora_linear import lora_linear  # noqa: E402
+from lorafuse.ops.lora_decode import stack_weights  # noqa: E402
 from lorafuse.ops.lora_matmul import lora_matmul  # noqa: E402
 
 TRAIN_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
@@ -90,6 +96,23 @@ def check_correctness():
                             if not (e <= bound):  # NaN fails here too
                                 failures.append(f"{gemm} p={p} {act} {dtype}/{adapter_dtype} M={rows} {name}: "
                                                 f"{e:.2e} > {bound:.2e}")
+    # Decoding (no gradient, <= 16 rows, no dropout): cuBLAS's GEMV plus lora_decode.
+    for dtype, adapter_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                 (torch.bfloat16, torch.float32)):
+        for rows, act in ((1, "identity"), (7, "silu"), (16, "gelu")):
+            x, w, b = torch.randn(rows, K, device="cuda"), torch.randn(N, K, device="cuda") / K ** 0.5, None
+            A, B = torch.randn(r, K, device="cuda") / K ** 0.5, torch.randn(N, r, device="cuda") * 0.1
+
+            def infer(fn, dt, adt):
+                with torch.no_grad():
+                    return fn(x.to(dt), w.to(dt), b, A.to(adt), B.to(adt), 0.5, 0.0, act)
+
+            ref = infer(lora_linear_reference, torch.float64, torch.float64)
+            e = rel_err(infer(lora_linear, dtype, adapter_dtype), ref)
+            e_torch = rel_err(infer(lora_linear_reference, dtype, adapter_dtype), ref)
+            bound = 1e-5 if dtype == torch.float32 else 2 * e_torch + 1e-6
+            if not (e <= bound):
+                failures.append(f"decode {act} {dtype}/{adapter_dtype} M={rows} y: {e:.2e} > {bound:.2e}")
     # One CUDA-graph capture of forward+backward replays what eager computed.
     layer = lorafuse.LoraLinear(nn.Linear(1000, 1500).cuda().to(torch.bfloat16), r=16, lora_alpha=32)
     nn.init.normal_(layer.lora_B["default"].weight, std=0.02)
@@ -147,6 +170,31 @@ def sweep_configs():
                 except Exception as exc:  # a config that does not fit shared memory
                     line.append(f"  {cfg} tma={tma}: {type(exc).__name__} {str(exc)[:80]}")
         print("\n".join(line))
+
+
+def sweep_decode():
+    """lora_decode launch configs at decode sizes: GPU time per call replayed from a CUDA graph over layer copies
+    whose weights rotate past the L2, against cuBLAS's GEMV alone (the base)."""
+    from lorafuse.ops.lora_decode import lora_decode
+    configs = [(n, k, w, st) for n in (32, 64, 128) for k in (128, 256, 512) for w in (4, 8) for st in (2, 4)]
+    print("\ndecode sweep: us per call (ratio to the base GEMV); best config per shape")
+    for (k, n), m in ((shape, m) for shape in DECODE_SHAPES for m in (1, 16)):
+        copies = max(8, 256 * 2**20 // (k * n * 2))
+        layers = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
+                   torch.randn(RANK, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
+                   torch.randn(n, RANK, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+
+        def us(fn):
+            graph = capture(lambda: [fn(*layer) for layer in layers])[0]
+            return time_ms(graph.replay)[0] / copies * 1e3
+
+        base = us(lambda x, w, a, b: x @ w.t())
+        timed = sorted((us(lambda x, w, a, b, c=cfg: lora_decode(x, w, None, a, b, 2.0, config=c)), cfg)
+                       for cfg in configs)
+        default = us(lambda x, w, a, b: lora_decode(x, w, None, a, b, 2.0))
+        print(f"  M{m}_K{k}_N{n}: base {base:.1f}, default {default:.1f} ({default / base:.2f}); "
+              + ", ".join(f"{cfg} {t:.1f} ({t / base:.2f})" for t, cfg in timed[:4]))
 
 
 def breakdown():
@@ -224,15 +272,26 @@ def bench_training(env, compiled):
     return rows
 
 
+DECODE_SHAPES = [(4096, 4096), (2048, 2048), (2048, 512), (2048, 8192), (8192, 2048)]  # (K, N); then Llama-1B's
+
+
 def bench_decode(env):
     # torch.compile would build one graph per rotated layer copy: decode compares eager PEFT only.
-    rows, k, n, copies = [], 4096, 4096, 8  # 8 layers x 32 MB of weights rotate past the L2
-    for m in (1, 16):
+    rows = []
+    for (k, n), m in ((shape, m) for shape in DECODE_SHAPES for m in (1, 16)):
+        copies = max(8, 256 * 2**20 // (k * n * 2))  # layers whose weights rotate past the L2
         shape = f"M{m}_K{k}_N{n}_r{RANK}_p0.0"
         peft = [peft_model(k, n, 0.0, torch.bfloat16).eval() for _ in range(copies)]
         fused = [lorafuse.fuse(copy.deepcopy(p)) for p in peft]
+        fused_bf16 = [copy.deepcopy(f).to(torch.bfloat16) for f in fused]
+        stacked = [copy.deepcopy(f) for f in fused_bf16]
+        for model in stacked:
+            layer = model.base_model.model.proj
+            lora_A = layer.lora_A["default"].weight
+            layer.base_layer.weight.data, lora_A.data = stack_weights(layer.base_layer.weight, lora_A)
         providers = {"base": [p.base_model.model.proj.base_layer for p in peft], "peft": peft, "lorafuse": fused,
-                     "lorafuse_fast": fused}
+                     "lorafuse_fast": fused, "lorafuse_bf16": fused_bf16, "lorafuse_matmul": fused_bf16,
+                     "lorafuse_stacked": stacked}
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         times = {}
         for name, models in providers.items():
@@ -245,7 +304,8 @@ def bench_decode(env):
             def call_all():
                 return [model(x) for model, x in zip(models, xs)]
 
-            settings = {"LORAFUSE_ADAPTER_MATH": "fast"} if name == "lorafuse_fast" else {}
+            settings = {"lorafuse_fast": {"LORAFUSE_ADAPTER_MATH": "fast"},
+                        "lorafuse_matmul": {"LORAFUSE_GEMM": "triton"}}.get(name, {})
             with torch.no_grad(), mock.patch.dict(os.environ, settings):
                 times[(name, "fwd")] = time_ms(call)
                 # The same calls replayed from a CUDA graph: GPU time without Python launch overhead.
@@ -266,6 +326,8 @@ def main():
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--sweep-decode", action="store_true")
     args = parser.parse_args()
     ok = True if args.no_check else check_correctness()
     if args.check_only or not ok:  # timings of wrong kernels are not results
@@ -274,16 +336,20 @@ def main():
         sweep_configs()
     if args.breakdown:
         breakdown()
+    if args.sweep_decode:
+        sweep_decode()
+        return
     env = environment()
-    rows = bench_training(env, not args.no_compiled) + bench_decode(env)
+    rows = ([] if args.decode_only else bench_training(env, not args.no_compiled)) + bench_decode(env)
     out_dirs = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")]
     if os.environ.get("OUT"):
         out_dirs.append(os.environ["OUT"])
     write_rows(rows, "lora_layer", out_dirs)
     print(f"\n{'shape':34} {'mode':9} " + " ".join(f"{p:>16}" for p in
                                                    ("peft", "peft_compiled", "lorafuse", "lf_fast", "lf_triton",
-                                                    "lf_cublas")))
-    names = ("peft", "peft_compiled", "lorafuse", "lorafuse_fast", "lorafuse_triton", "lorafuse_cublas")
+                                                    "lf_cublas", "lf_bf16", "lf_matmul", "lf_stacked")))
+    names = ("peft", "peft_compiled", "lorafuse", "lorafuse_fast", "lorafuse_triton", "lorafuse_cublas",
+             "lorafuse_bf16", "lorafuse_matmul", "lorafuse_stacked")
     keys = sorted({(r["shape"], r["mode"]) for r in rows}, key=lambda t: (t[0].startswith("M1"), t))
     for shape, mode in keys:
         by = {r["provider"]: r for r in rows if r["shape"] == shape and r["mode"] == mode}

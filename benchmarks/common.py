@@ -70,3 +70,17 @@ def write_rows(rows, bench, out_dirs):
             if new:
                 writer.writeheader()
             writer.writerows(rows)
+
+
+def print_profile(provider, step, steps=2, kernels=15):
+    """The GPU kernels that take a step's time (torch.profiler over `steps` more steps), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    print(f"  {provider}: GPU kernel time {total:.1f} ms per step; largest kernels (ms per step):")
+    for e in events[:kernels]:
+        print(f"    {e.self_device_time_total / steps / 1e3:7.2f}  {e.count // steps:4d}x  {e.key[:90]}")

@@ -18,7 +18,8 @@ Two functions are registered under "lorafuse" (`register`, called when `lorafuse
   grouped-query heads in place. What the kernel cannot do (dropout, softcapping, attention sinks,
   output_attentions, dense masks that are not intervals or carry biases, non-contiguous padding) runs through
   transformers' sdpa_attention_forward - or the model's own eager attention where sdpa cannot do it either
-  (softcap, sinks, attention weights) - with the reason logged once.
+  (softcap, sinks, attention weights) - with the reason logged once. A caller that knows the relation may pass
+  it whole as the forward keyword `lorafuse_windows` (captured decoding does: see lorafuse.hf.decoding).
 
 Per-forward work on a tensor that every layer receives (the mask, the position ids) - checks that read values
 on the host, building windows - is memoised on that tensor, so it runs once per forward, not once per layer.
@@ -41,6 +42,10 @@ from ..ops.attention_windows import (AttentionWindows, allowed_keys, padding_mas
 from ..ops.flash_attention import flash_attention
 
 NAME = "lorafuse"
+# A forward keyword (transformers hands a model's extra keywords to every attention call): AttentionWindows that
+# say all the relation, from a caller that knows it holds - lorafuse.inference's captured decode step, whose
+# static-cache mask cannot be checked on the host during capture.
+WINDOWS_KWARG = "lorafuse_windows"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,7 +376,14 @@ def lorafuse_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    plan = _plan(query, key, attention_mask, causal, sliding_window, kwargs)
+    windows = kwargs.pop(WINDOWS_KWARG, None)
+    if windows is not None:
+        if tuple(windows.key_lo.shape) != (query.shape[0], query.shape[2]):
+            raise ValueError(f"lorafuse attention: {WINDOWS_KWARG} holds key windows for {tuple(windows.key_lo.shape)} "
+                             f"queries, the call has [B, Nq] = {[query.shape[0], query.shape[2]]}")
+        plan = _Plan(key.shape[2], False, windows=windows)
+    else:
+        plan = _plan(query, key, attention_mask, causal, sliding_window, kwargs)
     reason = plan.reason or _unsupported_reason(module, query, key, value, dropout, softcap, s_aux, kwargs)
     if reason is not None:
         return _fallback(reason, plan, module, query, key, value, dropout, scaling, softcap, s_aux, sliding_window,

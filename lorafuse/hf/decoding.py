@@ -6,7 +6,12 @@ import copy
 
 import torch
 from peft import PeftModel, PeftType
+from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel, StaticCache
+
+from ..ops.attention_windows import windows_of_one_query
+from ..ops.lora_decode import stack_weights, stacked_weights
+from . import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ATTENTION = ("sdpa", "eager", "lorafuse")  # those that take decode_mask's 4-D masks
@@ -60,7 +65,8 @@ def decode_mask(model: torch.nn.Module, keep: torch.Tensor) -> torch.Tensor:
     """The attention mask of a decode step in the form the model's attention takes it whole: bool, or additive
     for eager attention. transformers passes a 4-D mask through untouched, so it must say everything: the slots
     not yet written are not kept, which makes it causal too. (lorafuse's attention reads a 2-D mask as keys that
-    end at the query, which a static cache's fixed-length mask does not.)"""
+    end at the query, which a static cache's fixed-length mask does not; it takes decode_attention_kwargs'
+    windows instead of this mask.)"""
     # keep: bool [B, K], the cache slots each row attends to -> [B, 1, 1, K]
     mask = keep[:, None, None, :]
     lm = causal_lm(model)
@@ -69,14 +75,29 @@ def decode_mask(model: torch.nn.Module, keep: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=lm.dtype, device=mask.device).masked_fill_(~mask, torch.finfo(lm.dtype).min)
 
 
+def decode_attention_kwargs(model: torch.nn.Module, keep: torch.Tensor) -> dict:
+    """Extra forward keywords of a decode step: for lorafuse attention, the windows of `keep` (each row's kept
+    slots are one run: left padding, then the slots written so far), so that the step runs the flash-decoding
+    kernel even inside a CUDA graph, where the attention function cannot check a 4-D mask on the host."""
+    # keep: bool [B, K]
+    if causal_lm(model).config._attn_implementation != attention.NAME:
+        return {}
+    return {attention.WINDOWS_KWARG: windows_of_one_query(keep)}
+
+
 def next_token_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                      cache: StaticCache) -> torch.Tensor:
+                      cache: StaticCache, **attention_kwargs) -> torch.Tensor:
     """One forward that appends `ids` to `cache` and returns the logits after each row's last token."""
     # ids, positions: [B, T]; mask: [B, K] keep-mask of the cache slots each row attends to (a prefill's K = T),
     # or decode_mask's [B, 1, 1, K] -> [B, V]
     out = causal_lm(model)(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1)
+                           use_cache=True, logits_to_keep=1, **attention_kwargs)
     return out.logits[:, -1]
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """The width of the model's logits (its output embedding's rows, padding included)."""
+    return causal_lm(model).get_output_embeddings().weight.shape[0]
 
 
 def eos_token_ids(model: torch.nn.Module) -> list[int]:
@@ -97,6 +118,30 @@ def pad_token_id(model: torch.nn.Module) -> int:
 def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with its LoRA adapter folded into the base weights (PEFT's merge_and_unload); others as they are."""
     return model.merge_and_unload() if isinstance(model, PeftModel) else model
+
+
+def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with a PeftModel's LoRA weights cast in place to the dtype of its embeddings (PEFT keeps adapters of
+    a 16-bit model in float32), and each LoRA Linear's active lora_A stored right after its frozen weight, in one
+    buffer: decoding then gets the base output and the shrink from one GEMM (lorafuse.ops.lora_decode). Values,
+    parameters and module names are unchanged, and so are the addresses of weights stacked before (a second call
+    moves nothing); models without adapters are returned as they are."""
+    if not isinstance(model, PeftModel):
+        return model
+    dtype = causal_lm(model).get_input_embeddings().weight.dtype
+    adapter = model.active_adapter
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        module.lora_A.to(dtype)
+        module.lora_B.to(dtype)
+        base = module.get_base_layer()
+        if adapter in module.lora_A and type(base) is torch.nn.Linear and not getattr(module, "fan_in_fan_out", False):
+            lora_A = module.lora_A[adapter].weight
+            # Stacked already (another engine on this model): moving the weights would strand its captured graphs.
+            if stacked_weights(base.weight, lora_A) is None:
+                base.weight.data, lora_A.data = stack_weights(base.weight, lora_A)
+    return model
 
 
 def hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,

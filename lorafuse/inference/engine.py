@@ -1,5 +1,5 @@
-"""Static-shape generation: a preallocated KV cache, batch-size buckets, and one decode step per bucket that is a
-CUDA graph on a GPU and runs eagerly on a CPU.
+"""Static-shape generation: a preallocated KV cache, batch-size buckets, and a decode step per bucket that is
+captured as CUDA graphs on a GPU (the model's forward, then the choice of the next tokens) and runs eagerly on a CPU.
 
 A batch of prompts (token ids) is left-padded to its longest prompt and filled up to its bucket's row count with
 copies of its first prompt (their tokens are dropped), then prefilled eagerly in one forward. Each decode step
@@ -27,13 +27,15 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 class _Rows:
     """The static buffers of one bucket, all that its decode step reads and writes besides the cache and the
-    weights, and the step's CUDA graph once captured."""
+    weights, and the step's CUDA graphs once captured: the model's forward, then the choice of the next tokens
+    (one graph for greedy batches, which skips the sampling filters' sort of the vocabulary, one for sampling)."""
 
-    def __init__(self, cache, size: int, max_length: int, device: torch.device):
+    def __init__(self, cache, size: int, max_length: int, vocab: int, device: torch.device):
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.cache, self.size, self.graph = cache, size, None
+        self.cache, self.size = cache, size
+        self.forward_graph, self.choose_graphs = None, {}
         self.ids = zeros(size, 1)                      # the token each row feeds next
         self.pos = zeros(size, 1)                      # its position in its own sequence (padding not counted)
         self.mask = zeros(size, max_length, dtype=torch.bool)  # the cache slots each row attends to
@@ -43,17 +45,20 @@ class _Rows:
         self.temperature = zeros(size, dtype=torch.float32)  # sampling settings, set per batch
         self.top_k = zeros(size)
         self.top_p = torch.ones(size, device=device)
+        self.logits = zeros(size, vocab, dtype=torch.float32)  # the forward's output, read by the choice
 
 
 class Engine:
     """Generates from `model` (a transformers causal LM, or a PeftModel with a LoRA adapter) with a static cache
     of `max_length` tokens per row (prompt and new tokens) for up to max(buckets) rows.
 
-    With `merge`, a PeftModel's adapter is folded into the weights first; otherwise it stays unmerged and
-    `swap_adapter` replaces it in place. On CUDA (or with `cuda_graphs=True`) each bucket's decode step is
-    captured at construction (`capture_seconds` says how long that took). Models other than Llama, Mistral, Qwen2
-    and Qwen3 run transformers' generate, the reason logged once (`fallback_reason`). `tokenizer` is needed for
-    stop strings only.
+    With `merge`, a PeftModel's adapter is folded into the weights first (in place, PEFT's merge_and_unload);
+    otherwise it stays unmerged, cast in place to the model's dtype (PEFT keeps it in float32 for training; vLLM
+    serves LoRA in the model's dtype too) with each lora_A stored after its frozen weight (decoding.stack_adapters:
+    one GEMM gives both products), and `swap_adapter` replaces it in place. On CUDA (or with `cuda_graphs=True`)
+    each bucket's decode step is captured at construction (`capture_seconds` says how long that took). Models
+    other than Llama, Mistral, Qwen2 and Qwen3 run transformers' generate, the reason logged once
+    (`fallback_reason`). `tokenizer` is needed for stop strings only.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_length: int = 1024,
@@ -62,7 +67,7 @@ class Engine:
         if not buckets or any(b < 1 for b in buckets) or check_every < 1 or max_length < 2:
             raise ValueError(f"Engine: buckets={tuple(buckets)} (positive sizes), check_every={check_every} (>= 1), "
                              f"max_length={max_length} (>= 2)")
-        self.model = (decoding.merge_adapter(model) if merge else model).eval()
+        self.model = (decoding.merge_adapter(model) if merge else decoding.stack_adapters(model)).eval()
         self.tokenizer = tokenizer
         self.max_length, self.buckets, self.check_every = max_length, tuple(sorted(set(buckets))), check_every
         self.eos_token_ids, self.pad_token_id = decoding.eos_token_ids(self.model), decoding.pad_token_id(self.model)
@@ -78,7 +83,8 @@ class Engine:
                      f"generate, not captured decoding: {self.fallback_reason}")
             return
         cache = decoding.static_cache(self.model, self.buckets[-1], max_length)
-        self._rows = {size: _Rows(decoding.cache_rows(cache, size), size, max_length, self.device)
+        vocab = decoding.vocab_size(self.model)
+        self._rows = {size: _Rows(decoding.cache_rows(cache, size), size, max_length, vocab, self.device)
                       for size in self.buckets}
         if self.cuda_graphs:
             self._capture()
@@ -117,6 +123,12 @@ class Engine:
                 if checker.all_done:
                     break
 
+    def last_logits(self, rows: int) -> torch.Tensor:
+        """The logits [rows, V] (float32) that the last decode step of the latest batch of `rows` prompts chose its
+        tokens from (a batch of more rows than the largest bucket: its last chunk's). Not for the fallback."""
+        size = next(size for size in self.buckets if size >= min(rows, self.buckets[-1]))
+        return self._rows[size].logits[:min(rows, size)]
+
     def swap_adapter(self, adapter) -> None:
         """Replace the unmerged LoRA adapter by the one saved in the directory `adapter`, in place: the captured
         steps stay valid (see lorafuse.hf.adapter_swap for what must match)."""
@@ -133,7 +145,7 @@ class Engine:
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[list[int]]]:
         """Yields the tokens each row made since the last yield; stops at max_new_tokens or when closed."""
         rows = self._rows[next(size for size in self.buckets if size >= len(prompts))]
-        step = rows.graph.replay if rows.graph is not None else lambda: self._step(rows)
+        step = self._stepper(rows, greedy=params.temperature == 0)
         self._prefill(rows, prompts, params)
         made = seen = 1
         yield rows.out[:len(prompts), :1].tolist()
@@ -162,29 +174,50 @@ class Engine:
             self._generator.seed()
         else:
             self._generator.manual_seed(params.seed)
-        first = sample(logits, rows.temperature, rows.top_k, rows.top_p, self._generator)
+        first = self._next_tokens(logits, rows, greedy=params.temperature == 0)
         rows.out[:, 0] = first
         rows.ids[:, 0] = first
 
-    def _step(self, rows: _Rows) -> None:
-        """One token for every row; reads and writes only `rows`' buffers, the cache and the generator."""
+    def _stepper(self, rows: _Rows, greedy: bool) -> Callable[[], None]:
+        """One decode step of `rows`: its graphs replayed, or (not captured) run eagerly."""
+        if rows.forward_graph is None:
+            return lambda: (self._forward(rows), self._choose(rows, greedy))
+        forward, choose = rows.forward_graph.replay, rows.choose_graphs[greedy].replay
+        return lambda: (forward(), choose())
+
+    def _forward(self, rows: _Rows) -> None:
+        """The model's half of a decode step: feeds each row its token, appends to the cache, leaves the logits in
+        rows.logits. Reads and writes only `rows`' buffers and the cache."""
         rows.mask.index_fill_(1, rows.slot, True)  # the slot the fed token is written to becomes visible
         mask = decoding.decode_mask(self.model, rows.mask)
-        logits = decoding.next_token_logits(self.model, rows.ids, mask, rows.pos, rows.cache)  # [size, V]
-        token = sample(logits, rows.temperature, rows.top_k, rows.top_p, self._generator)
+        logits = decoding.next_token_logits(self.model, rows.ids, mask, rows.pos, rows.cache,
+                                            **decoding.decode_attention_kwargs(self.model, rows.mask))  # [size, V]
+        rows.logits.copy_(logits)
+
+    def _choose(self, rows: _Rows, greedy: bool) -> None:
+        """The other half: each row's next token from rows.logits, recorded and fed next; the counters advance."""
+        token = self._next_tokens(rows.logits, rows, greedy)
         rows.out.index_copy_(1, rows.made, token[:, None])
         rows.ids.copy_(token[:, None])
         for counter in (rows.pos, rows.slot, rows.made):
             counter.add_(1)
 
+    def _next_tokens(self, logits: torch.Tensor, rows: _Rows, greedy: bool) -> torch.Tensor:
+        # logits: [size, V] -> int64 [size]; greedy batches (temperature 0 on every row) skip the filters' sort
+        if greedy:
+            return logits.argmax(-1)
+        return sample(logits, rows.temperature, rows.top_k, rows.top_p, self._generator)
+
     @torch.no_grad()
     def _capture(self) -> None:
-        """Every bucket's step as a CUDA graph, largest first (its temporaries size the shared pool)."""
+        """Every bucket's decode step as CUDA graphs, largest bucket first (its temporaries size the shared pool)."""
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             rows = self._rows[size]
             rows.cache.reset()  # warm-up and capture write a few slots; start them at slot 0
-            rows.graph = capture(lambda rows=rows: self._step(rows), self._generator, pool)
+            rows.forward_graph = capture(lambda rows=rows: self._forward(rows), self._generator, pool)
+            rows.choose_graphs = {greedy: capture(lambda rows=rows, greedy=greedy: self._choose(rows, greedy),
+                                                  self._generator, pool) for greedy in (True, False)}
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
 

@@ -63,6 +63,20 @@ def windows_from_padding_mask(mask: torch.Tensor, q_len: int) -> AttentionWindow
     return AttentionWindows(key_lo, key_hi, query_lo, query_hi)
 
 
+def windows_of_one_query(keep: torch.Tensor) -> AttentionWindows:
+    """Windows of one query per row (a decode step) whose keys are the kept slots of `keep` [B, Nk], the caller
+    guaranteeing one contiguous run per row (a static cache: left padding, then the slots written so far).
+    Nothing is checked on the host, so that a captured decode step can build them."""
+    # keep: bool [B, Nk]
+    keep = keep.bool()
+    n_k = keep.shape[-1]
+    count = keep.sum(-1, keepdim=True)                     # [B, 1]
+    start = torch.where(count > 0, keep.to(torch.int32).argmax(-1, keepdim=True), 0)
+    key_lo, key_hi = _empty_to_canonical(start, start + count, n_k)
+    query_lo, query_hi = _empty_to_canonical(torch.zeros_like(keep, dtype=torch.int32), keep.to(torch.int32), 1)
+    return AttentionWindows(key_lo, key_hi, query_lo, query_hi)
+
+
 def windows_from_position_ids(position_ids: torch.Tensor, mask: torch.Tensor | None = None) -> AttentionWindows:
     """Windows of packed rows: a sequence starts wherever the position id does not continue the
     previous one (position_ids [B, N]; queries and keys are the same N tokens). Tokens attend

@@ -26,23 +26,24 @@ def lora_expand_reference(base, s, B, scale, bias=None, activation="identity"):
 
 
 @triton.jit
-def _expand_fwd(y_ptr, base_ptr, s_ptr, b_ptr, bias_ptr, z_ptr, M, N, rank, scale,
+def _expand_fwd(y_ptr, base_ptr, s_ptr, b_ptr, bias_ptr, z_ptr, M, N, rank, scale, stride_base, stride_s,
                 ACT: tl.constexpr, HAS_BASE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
                 LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 PRECISION: tl.constexpr):
-    # base, y, z: [M, N] contiguous; s: [M, rank] fp32; B: [N, rank] contiguous; bias: [N]
+    # y, z: [M, N] contiguous; base: [M, N], s: [M, rank] (row strides stride_base, stride_s); B: [N, rank]
+    # contiguous; bias: [N]
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, R)
     rank_ok = ranks[None, :] < rank
     b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :], mask=(cols[:, None] < N) & rank_ok, other=0.0)
-    s = tl.load(s_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & rank_ok, other=0.0)
+    s = tl.load(s_ptr + rows[:, None] * stride_s + ranks[None, :], mask=(rows[:, None] < M) & rank_ok, other=0.0)
     cd = tl.float32 if LORA_FP32 else y_ptr.dtype.element_ty
     z = scale * tl.dot(s.to(cd), tl.trans(b.to(cd)), input_precision=PRECISION)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
     if HAS_BASE:
-        z += tl.load(base_ptr + offs, mask=mask).to(tl.float32)
+        z += tl.load(base_ptr + rows[:, None].to(tl.int64) * stride_base + cols[None, :], mask=mask).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=cols < N).to(tl.float32)[None, :]
     if STORE_Z:
@@ -97,7 +98,7 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
 
 def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z=False):
     """y = act(base + scale * s B^T + bias); returns (y, z) with z the pre-activation when store_z."""
-    # base: [M, N] contiguous or None, s: [M, r] fp32, B: [N, r]
+    # base: [M, N] or None, s: [M, r] fp32 or in the adapters' dtype (both: unit column stride), B: [N, r]
     M, N, r = s.shape[0], B.shape[0], B.shape[1]
     dtype = base.dtype if base is not None else out.dtype if out is not None else B.dtype
     fp32 = lora_in_fp32(dtype, B.dtype)
@@ -110,11 +111,13 @@ def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z
     # gets its own buffer.
     z = None
     if store_z:
-        z = new(torch.float32) if fp32 else base if base is not None else new()
-    y = out if out is not None else base if base is not None and z is not base else new()
+        z = new(torch.float32) if fp32 else base if base is not None and base.is_contiguous() else new()
+    in_place = base is not None and z is not base and base.is_contiguous()  # y over base: rows N apart
+    y = out if out is not None else base if in_place else new()
     block_m = 64 if M > 32 else 16
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, 128))
-    _expand_fwd[grid](y, base, s, B.contiguous(), bias, z, M, N, r, scale, ACT=activation_id,
+    _expand_fwd[grid](y, base, s, B.contiguous(), bias, z, M, N, r, scale, N if base is None else base.stride(0),
+                      s.stride(0), ACT=activation_id,
                       HAS_BASE=base is not None, HAS_BIAS=bias is not None, STORE_Z=store_z, LORA_FP32=fp32,
                       R=padded_rank(r), BLOCK_M=block_m, BLOCK_N=128,
                       PRECISION=lora_precision(dtype, B.dtype), num_warps=4)

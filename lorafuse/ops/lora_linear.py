@@ -10,6 +10,8 @@ LORAFUSE_GEMM environment variable or the `gemm` argument:
   "cublas"  cuBLAS, accumulating into a buffer that the adapter kernels pre-wrote
             (addmm with beta=1): one extra write of y and of dx;
   "auto"    the one measured faster for the shape (benchmarks/bench_lora_layer.py).
+Inference on at most 16 rows (decoding, dropout off) takes `lora_decode` on the cuBLAS route (and on "auto"),
+unless its adapter math is fp32 and its weights are not stacked (see lora_decode).
 """
 import os
 
@@ -20,6 +22,7 @@ from .._logging import log_once
 from ._tiles import lora_in_fp32
 from .activation import activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
+from .lora_decode import DECODE_MAX_ROWS, lora_decode, stacked_weights
 from .lora_expand import lora_expand, lora_expand_backward
 from .lora_matmul import lora_matmul
 from .lora_shrink import lora_shrink, lora_shrink_backward
@@ -42,16 +45,19 @@ def lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0,
     return activation_reference(z, activation).to(x.dtype)
 
 
-def _resolve_gemm(gemm, M, x_dtype, adapter_dtype):
+def _resolve_gemm(gemm, M, x_dtype, adapter_dtype, decoding):
     gemm = gemm or os.environ.get("LORAFUSE_GEMM", "auto")
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"LORAFUSE_GEMM / gemm={gemm!r} is not one of {', '.join(GEMM_BACKENDS)}")
     if gemm != "auto":
         return gemm
-    # Measured on an H200 (benchmarks/results/lora_layer.csv): at training sizes cuBLAS plus
-    # the fused epilogue kernels beats the Triton GEMM. At decode sizes the single-launch
-    # Triton kernel (shrink in its K-loop) halves eager call time (fewer launches), unless its
-    # K-loop carries fp32 adapter math; replayed from a CUDA graph the two are within 10 %.
+    # Measured (benchmarks/results/lora_layer.csv, decode.csv): at training sizes cuBLAS plus the
+    # fused epilogue kernels beats the Triton GEMM. Decoding (inference, <= 16 rows) runs cuBLAS's
+    # GEMV plus lora_decode: the Triton GEMM reads the weights at about half cuBLAS's bandwidth
+    # there. Other small batches take the single-launch Triton kernel (shrink in its K-loop),
+    # unless that K-loop carries fp32 adapter math: fewer launches.
+    if decoding:
+        return "cublas"
     small = M <= FUSED_SHRINK_MAX_ROWS and not lora_in_fp32(x_dtype, adapter_dtype)
     return "triton" if small else "cublas"
 
@@ -179,11 +185,19 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    gemm = _resolve_gemm(gemm, x2.shape[0], x2.dtype, lora_A.dtype)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                               for t in (x2, weight, bias, lora_A, lora_B))
+    # lora_decode's kernel recomputes the shrink per program: with fp32 adapter math its tiles spill (measured 35-100x
+    # the GEMV on an H100), so fp32 adapters take it only when stacked (no shrink kernel then).
+    decoding = (not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
+                and (not lora_in_fp32(x2.dtype, lora_A.dtype) or stacked_weights(weight, lora_A) is not None))
+    gemm = _resolve_gemm(gemm, x2.shape[0], x2.dtype, lora_A.dtype, decoding)
     args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act, gemm)
     with torch.autocast(x.device.type, enabled=False):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
+        if training:
             y = _LoraLinear.apply(*args)
+        elif decoding and gemm == "cublas":
+            y = lora_decode(x2, weight, bias, lora_A, lora_B, float(scale), act)
         else:
             y = _fused_forward(*args, store_z=False)[0]  # inference: no autograd node, less launch overhead
     return y.view(*shape[:-1], weight.shape[0])

@@ -3,10 +3,12 @@ place (smaller rank, other alpha, rsLoRA, alpha_pattern) gives the tokens of a m
 adapter that does not fit the buffers is refused before anything is copied. One test runs lorafuse's fused layers
 and attention (Triton's interpreter: kept small)."""
 import pytest
+import torch
 from peft import PeftModel
 
 import lorafuse
 from lorafuse.inference import Engine, SamplingParams
+from lorafuse.ops.lora_decode import stacked_weights
 from tests.hf.families import lora_layer_kinds
 from tests.inference.helpers import hf_greedy, prompts, tiny_llama, with_lora
 
@@ -75,13 +77,40 @@ def test_swap_needs_an_unmerged_adapter(saved):
         engine.swap_adapter(saved[0] / "B")
 
 
-def test_fused_layers_and_attention_decode_and_swap(saved):
+def test_fused_layers_and_attention_decode_and_swap(saved, fallback_log):
     root, tokens = saved
     model = lorafuse.from_pretrained(tiny_llama(), root / "A")  # fused LoRA layers, attn_implementation="lorafuse"
     assert model.get_base_model().config._attn_implementation == "lorafuse"
     engine = Engine(model, max_length=16, buckets=(4,), check_every=5)
     short = SamplingParams(max_new_tokens=4)
     assert engine.generate(PROMPTS[:3], short) == [ids[:4] for ids in tokens["A"][:3]]
+    # Decode steps run the flash-decoding kernel on the engine's windows (nothing falls back to sdpa), and their
+    # logits are PEFT's with sdpa attention. (Inside a CUDA graph, where only those windows keep the kernel:
+    # tests/inference/test_cuda_graphs.py.)
+    assert not [r.message for r in fallback_log.records if "attention runs because of" in r.message]
+    peft_engine = Engine(peft_model(saved, "A"), max_length=16, buckets=(4,), check_every=5)
+    assert peft_engine.generate(PROMPTS[:3], short) == [ids[:4] for ids in tokens["A"][:3]]
+    torch.testing.assert_close(engine.last_logits(3), peft_engine.last_logits(3), rtol=1e-4, atol=1e-4)
     engine.swap_adapter(root / "B")
     assert engine.generate(PROMPTS[:3], short) == [ids[:4] for ids in tokens["B"][:3]]
     assert lora_layer_kinds(model) == {"FusedLoraLinear": 8}
+
+
+def test_unmerged_adapter_is_cast_and_stacked_under_the_frozen_weights(saved):
+    # PEFT keeps the adapter of a bf16 model in float32 (for training); the engine casts it to bf16 in place and
+    # stores each lora_A right after its frozen weight (one GEMM then gives both), values unchanged.
+    model = PeftModel.from_pretrained(tiny_llama().to(torch.bfloat16), saved[0] / "A").eval()
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    lora = [param for name, param in model.named_parameters() if "lora_" in name]
+    assert lora and {param.dtype for param in lora} == {torch.float32}
+    Engine(model, max_length=8, buckets=(1,))
+    assert {param.dtype for param in lora} == {torch.bfloat16}
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name].to(param.dtype)), name
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    assert len(layers) == 8 and all(stacked_weights(m.base_layer.weight, m.lora_A["default"].weight) is not None
+                                    for m in layers)
+    # A second engine on the same model moves nothing: the first one's captured steps hold these addresses.
+    addresses = [param.data_ptr() for param in model.parameters()]
+    Engine(model, max_length=8, buckets=(1,))
+    assert [param.data_ptr() for param in model.parameters()] == addresses

@@ -16,7 +16,7 @@ import torch
 
 from lorafuse.ops.attention_windows import (AttentionWindows, allowed_keys, padding_mask_is_contiguous,
                                             windows_from_padding_mask, windows_from_position_ids,
-                                            with_sliding_window)
+                                            windows_of_one_query, with_sliding_window)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,6 +152,20 @@ def test_windows_from_padding_mask_random():
             rows.append([int(start <= t < start + count) for t in range(n_k)])
         mask = torch.tensor(rows)
         check_windows(windows_from_padding_mask(mask, q_len), padding_relation(mask, q_len))
+
+
+def test_windows_of_one_query_random():
+    # A static cache's decode step: one query per row sees the row's run of kept slots, wherever it ends.
+    rng = random.Random(2)
+    for _ in range(60):
+        b, n_k = rng.randint(1, 4), rng.randint(1, 20)
+        rows = []
+        for _ in range(b):
+            count = rng.randint(0, n_k)
+            start = rng.randint(0, n_k - count)
+            rows.append([int(start <= t < start + count) for t in range(n_k)])
+        keep = torch.tensor(rows, dtype=torch.bool)
+        check_windows(windows_of_one_query(keep), keep[:, None, :])
 
 
 @pytest.mark.parametrize("rows, contiguous", [

@@ -1,0 +1,87 @@
+"""Captured decoding on a GPU: for every bucket, replaying the captured decode steps gives the tokens and the logits
+of the same engine stepping eagerly (greedy and seeded sampling), with the adapter unmerged - before and after
+swapping it in place - and merged; nothing falls back from lorafuse's kernels during capture.
+
+Needs CUDA; on the GPU machine run it with the kernels compiled (not interpreted):
+    TRITON_INTERPRET=0 python -m pytest -q tests/inference/test_cuda_graphs.py
+"""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import lorafuse
+from lorafuse.inference import Engine, SamplingParams
+from tests.inference.helpers import tiny_llama, with_lora
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("CUDA graphs need a GPU and compiled Triton kernels (TRITON_INTERPRET=0)", allow_module_level=True)
+
+NEW = 20
+MAX_LENGTH = 64
+# bf16 logits of two runs of the same kernels: equal but for cuBLAS choosing other algorithms under capture
+LOGITS_TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float32: dict(rtol=1e-4, atol=1e-4)}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    for name, seed, rank in (("A", 1, 8), ("B", 2, 4)):
+        with_lora(tiny_llama(), seed, r=rank, lora_alpha=16, target_modules="all-linear").save_pretrained(root / name)
+    return root
+
+
+def fused_model(adapters, dtype):
+    base = tiny_llama().to("cuda", dtype)
+    return lorafuse.from_pretrained(base, adapters / "A").eval()  # fused LoRA layers, lorafuse attention
+
+
+def prompts_for(size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 30, (size,), generator=generator)
+    return [torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in lengths]
+
+
+def assert_replay_equals_eager(graphs: Engine, eager: Engine, params: SamplingParams, dtype, seed: int):
+    for size in graphs.buckets:
+        for rows in sorted({size, max(1, size - 1)}):  # a full bucket, and one padded with a dummy row
+            prompts = prompts_for(rows, seed + 100 * size + rows)
+            replayed = graphs.generate(prompts, params)
+            stepped = eager.generate(prompts, params)
+            assert replayed == stepped, f"bucket {size}, {rows} rows"
+            torch.testing.assert_close(graphs.last_logits(rows), eager.last_logits(rows), **LOGITS_TOLERANCE[dtype],
+                                       msg=lambda m: f"bucket {size}, {rows} rows: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_replay_equals_eager_unmerged_and_after_swap(adapters, dtype, fallback_log):
+    model = fused_model(adapters, dtype)
+    graphs = Engine(model, max_length=MAX_LENGTH)
+    eager = Engine(model, max_length=MAX_LENGTH, cuda_graphs=False)  # the same model: swaps reach both
+    assert graphs.buckets == (1, 2, 4, 8, 16, 32) and graphs.capture_seconds > 0
+    greedy = SamplingParams(max_new_tokens=NEW)
+    before = graphs.generate(prompts_for(4, 0), greedy)
+    assert_replay_equals_eager(graphs, eager, greedy, dtype, seed=0)
+    graphs.swap_adapter(adapters / "B")
+    assert graphs.generate(prompts_for(4, 0), greedy) != before  # the swap reached the captured steps
+    assert_replay_equals_eager(graphs, eager, greedy, dtype, seed=1)
+    fallbacks = [r.message for r in fallback_log.records
+                 if "runs because of" in r.message or "runs the PyTorch reference" in r.message]
+    assert not fallbacks
+
+
+def test_seeded_sampling_replay_equals_eager(adapters):
+    model = fused_model(adapters, torch.bfloat16)
+    graphs = Engine(model, max_length=MAX_LENGTH, buckets=(1, 8))
+    eager = Engine(model, max_length=MAX_LENGTH, buckets=(1, 8), cuda_graphs=False)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    assert_replay_equals_eager(graphs, eager, params, torch.bfloat16, seed=2)
+    other_seed = graphs.generate(prompts_for(8, 0), dataclasses.replace(params, seed=8))
+    assert other_seed != graphs.generate(prompts_for(8, 0), params)
+
+
+def test_merged_replay_equals_eager(adapters):
+    graphs = Engine(fused_model(adapters, torch.bfloat16), max_length=MAX_LENGTH, merge=True)
+    eager = Engine(graphs.model, max_length=MAX_LENGTH, cuda_graphs=False)
+    assert_replay_equals_eager(graphs, eager, SamplingParams(max_new_tokens=NEW), torch.bfloat16, seed=3)

@@ -1,0 +1,113 @@
+"""lora_decode (LoRA on a few rows, without autograd) against float64, and lora_linear sending decode calls
+there: at most 16 rows, no gradient, no dropout."""
+import importlib
+
+import pytest
+import torch
+
+from lorafuse.ops import lora_linear
+from lorafuse.ops.activation import activation_id
+from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference, stack_weights, stacked_weights
+from tests.ops._helpers import DTYPES, assert_close, dtype_id
+
+lora_linear_module = importlib.import_module("lorafuse.ops.lora_linear")  # lorafuse.ops exports the function
+lora_decode_module = importlib.import_module("lorafuse.ops.lora_decode")
+SCALE = 0.7
+# (M, K, N, r, activation): K = 100 (not a multiple of BLOCK_K), 300 (two K steps, ragged); N not a multiple of
+# BLOCK_N (64); ranks 1 to 64 (64: the narrower K tile)
+CASES = [(1, 100, 80, 8, "identity"), (7, 300, 150, 1, "silu"), (16, 300, 36, 64, "gelu"), (3, 64, 200, 16, "relu")]
+
+
+def case_id(case):
+    return "M{}_K{}_N{}_r{}_{}".format(*case)
+
+
+def operands(m, k, n, r, dtype, adapter_dtype, bias=True):
+    return dict(x=torch.randn(m, k).to(dtype), weight=(torch.randn(n, k) / k**0.5).to(dtype),
+                bias=torch.randn(n).to(dtype) if bias else None, lora_A=(torch.randn(r, k) / k**0.5).to(adapter_dtype),
+                lora_B=(torch.randn(n, r) / r**0.5).to(adapter_dtype))
+
+
+def check(inputs, activation, dtype):
+    got = lora_decode(*inputs.values(), SCALE, activation_id(activation))
+    assert got.dtype == dtype and not got.isnan().any()
+    exact = lora_decode_reference(*(None if t is None else t.double() for t in inputs.values()), SCALE, activation)
+    plain = None if dtype == torch.float32 else lora_decode_reference(*inputs.values(), SCALE, activation)
+    assert_close(got, exact, dtype, plain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_reference(case, dtype):
+    m, k, n, r, activation = case
+    check(operands(m, k, n, r, dtype, dtype), activation, dtype)
+
+
+def test_float32_adapters_on_bfloat16_no_bias_transposed_weight():
+    # PEFT's float32 adapters on a bf16 base; a [K, N] weight passed transposed (fan_in_fan_out, GPT-2's Conv1D)
+    inputs = operands(5, 300, 150, 8, torch.bfloat16, torch.float32, bias=False)
+    inputs["weight"] = inputs["weight"].t().contiguous().t()
+    assert inputs["weight"].stride(0) == 1
+    check(inputs, "gelu_tanh", torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_stacked_weights_match_reference(case, dtype, monkeypatch):
+    # lora_A stored right after the frozen weight: one GEMM gives x W^T and the shrink, lora_expand the rest
+    m, k, n, r, activation = case
+    inputs = operands(m, k, n, r, dtype, dtype)
+    inputs["weight"], inputs["lora_A"] = stack_weights(inputs["weight"], inputs["lora_A"])
+    assert stacked_weights(inputs["weight"], inputs["lora_A"]) is not None
+    expands = []
+    real = lora_decode_module.lora_expand
+    monkeypatch.setattr(lora_decode_module, "lora_expand", lambda *a, **k: expands.append(1) or real(*a, **k))
+    check(inputs, activation, dtype)
+    assert expands == [1]
+
+
+def test_stacked_weights_only_when_adjacent_and_alike():
+    weight, lora_A = stack_weights(torch.randn(6, 10), torch.randn(2, 10, dtype=torch.float64))
+    assert lora_A.dtype == torch.float32 and torch.equal(stacked_weights(weight, lora_A)[6:], lora_A)
+    assert stacked_weights(weight, lora_A.clone()) is None                    # elsewhere in memory
+    assert stacked_weights(weight[:5], lora_A) is None                        # a gap between them
+    assert stacked_weights(weight.bfloat16(), lora_A.bfloat16()) is None      # copies, not adjacent
+    both = torch.randn(8, 10)
+    assert stacked_weights(both[:6], both[6:].t().contiguous().t()) is None   # not row-major
+
+
+@pytest.mark.parametrize("rows, grad, dropout_p, routed", [
+    (1, False, 0.0, True), (16, False, 0.0, True),
+    (17, False, 0.0, False),  # more rows than one tile
+    (4, True, 0.0, False),    # training: the autograd Function
+    (4, False, 0.1, False),   # dropout: the mask needs the shrink kernels
+])
+def test_lora_linear_sends_decode_calls_here(rows, grad, dropout_p, routed, monkeypatch):
+    calls = []
+    monkeypatch.setattr(lora_linear_module, "lora_decode",
+                        lambda *args: calls.append(args[0].shape) or lora_decode(*args))
+    inputs = operands(rows, 100, 80, 8, torch.float32, torch.float32)
+    inputs["weight"], inputs["lora_A"] = stack_weights(inputs["weight"], inputs["lora_A"])
+    inputs["lora_A"].requires_grad_(grad)
+    out = lora_linear(*inputs.values(), SCALE, dropout_p, "silu", seed=3)
+    assert len(calls) == int(routed)
+    if dropout_p == 0.0:
+        exact = lora_decode_reference(*(t.detach().double() for t in inputs.values()), SCALE, "silu")
+        assert_close(out.detach(), exact, torch.float32)
+
+
+@pytest.mark.parametrize("x_dtype, adapter_dtype, stacked, routed", [
+    (torch.bfloat16, torch.bfloat16, False, True),
+    (torch.bfloat16, torch.float32, False, False),  # PEFT's fp32 adapters, exact math: the kernel's tiles would spill
+    (torch.float32, torch.float32, False, False),
+    (torch.float32, torch.float32, True, True),     # stacked: no shrink kernel, any dtype
+])
+def test_fp32_adapter_math_decodes_here_only_when_stacked(x_dtype, adapter_dtype, stacked, routed, monkeypatch):
+    calls = []
+    monkeypatch.setattr(lora_linear_module, "lora_decode", lambda *args: calls.append(1) or lora_decode(*args))
+    inputs = operands(2, 100, 80, 8, x_dtype, adapter_dtype)
+    if stacked:
+        inputs["weight"], inputs["lora_A"] = stack_weights(inputs["weight"], inputs["lora_A"])
+    with torch.no_grad():
+        lora_linear(*inputs.values(), SCALE, 0.0, "identity")
+    assert len(calls) == int(routed)
