@@ -1,16 +1,20 @@
 """What captured decoding (lorafuse.inference) asks of transformers and PEFT: which models it covers, a static
-KV cache with views for smaller batches, one forward that returns each row's next-token logits, the model's
-EOS and padding ids, merging an adapter, and transformers' generate for the models it does not cover.
+KV cache with views for smaller batches, one forward that returns each row's next-token logits (its attention
+windows, RMSNorm on one kernel), the model's EOS and padding ids, merging an adapter or stacking it under the
+frozen weights, and transformers' generate for the models it does not cover.
 """
 import copy
+import types
 
 import torch
 from peft import PeftModel, PeftType
 from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel, StaticCache
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..ops.attention_windows import windows_of_one_query
 from ..ops.lora_decode import stack_weights, stacked_weights
+from ..ops.rms_norm import rms_norm
 from . import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -142,6 +146,30 @@ def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
             if stacked_weights(base.weight, lora_A) is None:
                 base.weight.data, lora_A.data = stack_weights(base.weight, lora_A)
     return model
+
+
+def fuse_rms_norms(model: torch.nn.Module) -> int:
+    """Give every RMSNorm of `model` that computes exactly as Llama's (Llama, Mistral, Qwen2, Qwen3 - their
+    forward's bytecode is LlamaRMSNorm's) a forward on lorafuse.ops.rms_norm, one kernel instead of six, for calls
+    that need no gradient; others keep transformers' forward. In place; returns how many were given it."""
+    fused = 0
+    for module in causal_lm(model).modules():
+        code = getattr(type(module).forward, "__code__", None)
+        if code is None or (code.co_code, code.co_names) != (_LLAMA_NORM.co_code, _LLAMA_NORM.co_names):
+            continue
+        if "forward" not in vars(module):
+            module.forward = types.MethodType(_rms_norm_forward, module)
+        fused += 1
+    return fused
+
+
+_LLAMA_NORM = LlamaRMSNorm.forward.__code__
+
+
+def _rms_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or module.weight.requires_grad):
+        return type(module).forward(module, hidden_states)
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
 def hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,

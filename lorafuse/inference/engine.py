@@ -82,6 +82,7 @@ class Engine:
             log_once(f"lorafuse.inference: {type(decoding.causal_lm(self.model)).__name__} runs transformers' "
                      f"generate, not captured decoding: {self.fallback_reason}")
             return
+        decoding.fuse_rms_norms(self.model)
         cache = decoding.static_cache(self.model, self.buckets[-1], max_length)
         vocab = decoding.vocab_size(self.model)
         self._rows = {size: _Rows(decoding.cache_rows(cache, size), size, max_length, vocab, self.device)

@@ -4,6 +4,7 @@ seeded sampling; the families it covers; transformers' generate for the others."
 import copy
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from lorafuse.inference import Engine, SamplingParams
@@ -109,9 +110,30 @@ def test_requests_beyond_the_cache_are_refused(engine):
 def test_families_equal_generate(family, overrides):
     model = tiny_model(family, **overrides).eval()
     batch = prompts(5, vocab=VOCAB)
+    reference = hf_greedy(model, batch, 8)  # before the engine gives the norms lorafuse's kernel
     engine = Engine(model, max_length=20, buckets=(8,), check_every=3)
     assert engine.fallback_reason is None
-    assert engine.generate(batch, SamplingParams(max_new_tokens=8)) == hf_greedy(model, batch, 8)
+    assert engine.generate(batch, SamplingParams(max_new_tokens=8)) == reference
+    # every RMSNorm runs the kernel: two per layer and the final one, and Qwen3's per-head q_norm and k_norm
+    layers = model.config.num_hidden_layers
+    norms = [m for m in model.modules() if "forward" in vars(m)]
+    assert len(norms) == 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)
+    assert all(type(m).__name__.endswith("RMSNorm") for m in norms)
+
+
+def test_fused_norms_keep_transformers_forward_for_gradients():
+    model = tiny_llama()
+    Engine(model, max_length=8, buckets=(1,))
+    norm = model.model.norm
+    x = torch.randn(2, 3, model.config.hidden_size, requires_grad=True)
+    (norm(x) ** 2).sum().backward()  # transformers' forward: differentiable
+    expected = x.grad.clone()
+    x.grad = None
+    out = type(norm).forward(norm, x)
+    (out ** 2).sum().backward()
+    assert torch.equal(x.grad, expected)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), out, rtol=1e-6, atol=1e-6)  # the kernel
 
 
 @pytest.mark.parametrize("family, overrides, reason", [
