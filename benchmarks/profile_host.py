@@ -57,13 +57,14 @@ def main():
     x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16, requires_grad=args.train)
     small = torch.empty(64, device="cuda")
     w, a, b = base.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    a16, b16 = a.detach().bfloat16(), b.detach().bfloat16()
     cases = {
         "torch: x.add_(1) (one launch)": lambda: small.add_(1),
         "triton: a 3-argument kernel": lambda: _touch[(1,)](small, 64, BLOCK=64),
         "base nn.Linear": lambda: base(x),
         "peft LoRA Linear": lambda: peft(x),
         "lorafuse.ops.lora_linear (fp32 adapters)": lambda: lora_linear(x, w, None, a, b, 2.0),
-        "lorafuse.ops.lora_linear (bf16 adapters)": lambda: lora_linear(x, w, None, a.bfloat16(), b.bfloat16(), 2.0),
+        "lorafuse.ops.lora_linear (bf16 adapters)": lambda: lora_linear(x, w, None, a16, b16, 2.0),
         "fused PeftModel (fp32 adapters)": lambda: fused(x),
         "fused PeftModel (bf16 adapters)": lambda: fused_bf16(x),
     }

@@ -378,6 +378,9 @@ def lorafuse_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     windows = kwargs.pop(WINDOWS_KWARG, None)
     if windows is not None:
+        if sliding_window is not None:
+            raise ValueError(f"lorafuse attention: {WINDOWS_KWARG} on a sliding-window layer (sliding_window="
+                             f"{sliding_window}); the windows must say the whole relation: pass none there")
         if tuple(windows.key_lo.shape) != (query.shape[0], query.shape[2]):
             raise ValueError(f"lorafuse attention: {WINDOWS_KWARG} holds key windows for {tuple(windows.key_lo.shape)} "
                              f"queries, the call has [B, Nq] = {[query.shape[0], query.shape[2]]}")

@@ -3,6 +3,7 @@ KV cache with views for smaller batches, one forward that returns each row's nex
 windows, RMSNorm on one kernel), the model's EOS and padding ids, merging an adapter or stacking it under the
 frozen weights, and transformers' generate for the models it does not cover.
 """
+import contextlib
 import copy
 import types
 
@@ -12,6 +13,7 @@ from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel, StaticCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from .._logging import log_once
 from ..ops.attention_windows import windows_of_one_query
 from ..ops.lora_decode import stack_weights, stacked_weights
 from ..ops.rms_norm import rms_norm
@@ -126,10 +128,10 @@ def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
 
 def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with a PeftModel's LoRA weights cast in place to the dtype of its embeddings (PEFT keeps adapters of
-    a 16-bit model in float32), and each LoRA Linear's active lora_A stored right after its frozen weight, in one
-    buffer: decoding then gets the base output and the shrink from one GEMM (lorafuse.ops.lora_decode). Values,
-    parameters and module names are unchanged, and so are the addresses of weights stacked before (a second call
-    moves nothing); models without adapters are returned as they are."""
+    a 16-bit model in float32: they are rounded, and that is logged once), and each LoRA Linear's active lora_A
+    stored right after its frozen weight, in one buffer: decoding then gets the base output and the shrink from one
+    GEMM (lorafuse.ops.lora_decode). Parameters and module names stay; weights stacked before keep their addresses
+    (a second call moves nothing); models without adapters are returned as they are."""
     if not isinstance(model, PeftModel):
         return model
     dtype = causal_lm(model).get_input_embeddings().weight.dtype
@@ -137,6 +139,10 @@ def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
+        cast = {p.dtype for p in [*module.lora_A.parameters(), *module.lora_B.parameters()]} - {dtype}
+        if cast:
+            log_once(f"lorafuse.inference: LoRA adapters cast in place from {', '.join(sorted(map(str, cast)))} to "
+                     f"the model's {dtype} for decoding (Engine(stack_adapters=False) keeps them)")
         module.lora_A.to(dtype)
         module.lora_B.to(dtype)
         base = module.get_base_layer()
@@ -148,22 +154,37 @@ def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def fuse_rms_norms(model: torch.nn.Module) -> int:
-    """Give every RMSNorm of `model` that computes exactly as Llama's (Llama, Mistral, Qwen2, Qwen3 - their
-    forward's bytecode is LlamaRMSNorm's) a forward on lorafuse.ops.rms_norm, one kernel instead of six, for calls
-    that need no gradient; others keep transformers' forward. In place; returns how many were given it."""
-    fused = 0
+def llama_rms_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The RMSNorm modules of `model` that compute exactly as Llama's (Llama, Mistral, Qwen2, Qwen3: their forward's
+    code is LlamaRMSNorm's), without a forward of their own (accelerate's hooks set one): those
+    `rms_norms_on_kernel` can run on lorafuse.ops.rms_norm."""
+    norms = []
     for module in causal_lm(model).modules():
         code = getattr(type(module).forward, "__code__", None)
-        if code is None or (code.co_code, code.co_names) != (_LLAMA_NORM.co_code, _LLAMA_NORM.co_names):
-            continue
-        if "forward" not in vars(module):
-            module.forward = types.MethodType(_rms_norm_forward, module)
-        fused += 1
-    return fused
+        if code is not None and _code_key(code) == _code_key(_LLAMA_NORM) and "forward" not in vars(module):
+            norms.append(module)
+    return norms
+
+
+@contextlib.contextmanager
+def rms_norms_on_kernel(norms: list[torch.nn.Module]):
+    """Within: each of `norms` (from llama_rms_norms) runs lorafuse.ops.rms_norm, one kernel instead of seven, for
+    calls that need no gradient. The modules are given back transformers' forward on exit: nothing outlives the
+    engine's own forwards (pickling, export and training see the stock modules)."""
+    for module in norms:
+        module.forward = types.MethodType(_rms_norm_forward, module)
+    try:
+        yield
+    finally:
+        for module in norms:
+            del module.forward
 
 
 _LLAMA_NORM = LlamaRMSNorm.forward.__code__
+
+
+def _code_key(code) -> tuple:
+    return code.co_code, code.co_names, code.co_consts
 
 
 def _rms_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

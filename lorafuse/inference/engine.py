@@ -23,6 +23,8 @@ from .sampling import SamplingParams, sample
 from .stopping import StopChecker
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+CAPTURE_RUNS = 4  # runs of each graph at capture: warm-ups (Triton compiles, allocator settles), then the capture
+MIN_LENGTH = CAPTURE_RUNS + 1  # those runs write that many cache slots and tokens from slot 0
 
 
 class _Rows:
@@ -53,21 +55,24 @@ class Engine:
     of `max_length` tokens per row (prompt and new tokens) for up to max(buckets) rows.
 
     With `merge`, a PeftModel's adapter is folded into the weights first (in place, PEFT's merge_and_unload);
-    otherwise it stays unmerged, cast in place to the model's dtype (PEFT keeps it in float32 for training; vLLM
-    serves LoRA in the model's dtype too) with each lora_A stored after its frozen weight (decoding.stack_adapters:
-    one GEMM gives both products), and `swap_adapter` replaces it in place. On CUDA (or with `cuda_graphs=True`)
-    each bucket's decode step is captured at construction (`capture_seconds` says how long that took). Models
-    other than Llama, Mistral, Qwen2 and Qwen3 run transformers' generate, the reason logged once
-    (`fallback_reason`). `tokenizer` is needed for stop strings only.
+    otherwise it stays unmerged and `swap_adapter` replaces it in place. With `stack_adapters` (the default) the
+    unmerged adapters are changed in place on the user's model, for good: cast to the model's dtype (PEFT keeps
+    them in float32 for training; they are rounded, logged once; vLLM serves LoRA in the model's dtype too) and
+    each lora_A stored right after its frozen weight (decoding.stack_adapters: one GEMM then gives both
+    products). Pass stack_adapters=False to keep the model's adapters as they are, at a slower decode step. The
+    engine's own forwards run RMSNorm on one kernel; the model's other forwards are left alone. On CUDA (or with
+    `cuda_graphs=True`) each bucket's decode step is captured at construction (`capture_seconds` says how long
+    that took). Models other than Llama, Mistral, Qwen2 and Qwen3 run transformers' generate, the reason logged
+    once (`fallback_reason`). `tokenizer` is needed for stop strings only.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_length: int = 1024,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, check_every: int = 8, merge: bool = False,
-                 cuda_graphs: bool | None = None):
-        if not buckets or any(b < 1 for b in buckets) or check_every < 1 or max_length < 2:
+                 stack_adapters: bool = True, cuda_graphs: bool | None = None):
+        if not buckets or any(b < 1 for b in buckets) or check_every < 1 or max_length < MIN_LENGTH:
             raise ValueError(f"Engine: buckets={tuple(buckets)} (positive sizes), check_every={check_every} (>= 1), "
-                             f"max_length={max_length} (>= 2)")
-        self.model = (decoding.merge_adapter(model) if merge else decoding.stack_adapters(model)).eval()
+                             f"max_length={max_length} (>= {MIN_LENGTH})")
+        self.model = (decoding.merge_adapter(model) if merge else model).eval()
         self.tokenizer = tokenizer
         self.max_length, self.buckets, self.check_every = max_length, tuple(sorted(set(buckets))), check_every
         self.eos_token_ids, self.pad_token_id = decoding.eos_token_ids(self.model), decoding.pad_token_id(self.model)
@@ -82,7 +87,10 @@ class Engine:
             log_once(f"lorafuse.inference: {type(decoding.causal_lm(self.model)).__name__} runs transformers' "
                      f"generate, not captured decoding: {self.fallback_reason}")
             return
-        decoding.fuse_rms_norms(self.model)
+        if stack_adapters and not merge:
+            decoding.stack_adapters(self.model)
+        self._norms = decoding.llama_rms_norms(self.model)
+        self._latest = None  # (rows, how many of them the latest batch used)
         cache = decoding.static_cache(self.model, self.buckets[-1], max_length)
         vocab = decoding.vocab_size(self.model)
         self._rows = {size: _Rows(decoding.cache_rows(cache, size), size, max_length, vocab, self.device)
@@ -124,11 +132,13 @@ class Engine:
                 if checker.all_done:
                     break
 
-    def last_logits(self, rows: int) -> torch.Tensor:
-        """The logits [rows, V] (float32) that the last decode step of the latest batch of `rows` prompts chose its
-        tokens from (a batch of more rows than the largest bucket: its last chunk's). Not for the fallback."""
-        size = next(size for size in self.buckets if size >= min(rows, self.buckets[-1]))
-        return self._rows[size].logits[:min(rows, size)]
+    def last_logits(self) -> torch.Tensor:
+        """A copy of the logits [n, V] (float32) that the latest token of the latest batch was chosen from, n its
+        rows (a batch larger than the largest bucket: its last chunk's). Not for the fallback."""
+        if self.fallback_reason is not None or self._latest is None:
+            raise RuntimeError("Engine.last_logits: no captured-decoding batch has run yet")
+        rows, n = self._latest
+        return rows.logits[:n].clone()
 
     def swap_adapter(self, adapter) -> None:
         """Replace the unmerged LoRA adapter by the one saved in the directory `adapter`, in place: the captured
@@ -147,6 +157,7 @@ class Engine:
         """Yields the tokens each row made since the last yield; stops at max_new_tokens or when closed."""
         rows = self._rows[next(size for size in self.buckets if size >= len(prompts))]
         step = self._stepper(rows, greedy=params.temperature == 0)
+        self._latest = (rows, len(prompts))
         self._prefill(rows, prompts, params)
         made = seen = 1
         yield rows.out[:len(prompts), :1].tolist()
@@ -162,7 +173,10 @@ class Engine:
         ids, keep = self._left_padded(prompts + [prompts[0]] * (rows.size - len(prompts)))  # [size, T]
         length = ids.shape[1]
         rows.cache.reset()
-        logits = decoding.next_token_logits(self.model, ids, keep, (keep.cumsum(-1) - 1).clamp(min=0), rows.cache)
+        with decoding.rms_norms_on_kernel(self._norms):
+            logits = decoding.next_token_logits(self.model, ids, keep, (keep.cumsum(-1) - 1).clamp(min=0),
+                                                rows.cache)
+        rows.logits.copy_(logits)
         rows.mask.zero_()
         rows.mask[:, :length] = keep
         rows.pos.copy_(keep.sum(-1, keepdim=True))
@@ -175,7 +189,7 @@ class Engine:
             self._generator.seed()
         else:
             self._generator.manual_seed(params.seed)
-        first = self._next_tokens(logits, rows, greedy=params.temperature == 0)
+        first = self._next_tokens(rows.logits, rows, greedy=params.temperature == 0)
         rows.out[:, 0] = first
         rows.ids[:, 0] = first
 
@@ -191,8 +205,9 @@ class Engine:
         rows.logits. Reads and writes only `rows`' buffers and the cache."""
         rows.mask.index_fill_(1, rows.slot, True)  # the slot the fed token is written to becomes visible
         mask = decoding.decode_mask(self.model, rows.mask)
-        logits = decoding.next_token_logits(self.model, rows.ids, mask, rows.pos, rows.cache,
-                                            **decoding.decode_attention_kwargs(self.model, rows.mask))  # [size, V]
+        with decoding.rms_norms_on_kernel(self._norms):
+            logits = decoding.next_token_logits(self.model, rows.ids, mask, rows.pos, rows.cache,
+                                                **decoding.decode_attention_kwargs(self.model, rows.mask))  # [size, V]
         rows.logits.copy_(logits)
 
     def _choose(self, rows: _Rows, greedy: bool) -> None:
@@ -215,10 +230,17 @@ class Engine:
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             rows = self._rows[size]
-            rows.cache.reset()  # warm-up and capture write a few slots; start them at slot 0
-            rows.forward_graph = capture(lambda rows=rows: self._forward(rows), self._generator, pool)
-            rows.choose_graphs = {greedy: capture(lambda rows=rows, greedy=greedy: self._choose(rows, greedy),
-                                                  self._generator, pool) for greedy in (True, False)}
+            # Warm-up and capture run each graph a few times (CAPTURE_RUNS): from slot 0 each time, so that they
+            # stay inside the cache and the buffers (max_length >= MIN_LENGTH).
+            rows.cache.reset()
+            rows.forward_graph = capture(lambda rows=rows: self._forward(rows), self._generator, pool,
+                                         warmup=CAPTURE_RUNS - 1)
+            rows.choose_graphs = {}
+            for greedy in (True, False):
+                for counter in (rows.pos, rows.slot, rows.made):
+                    counter.zero_()
+                rows.choose_graphs[greedy] = capture(lambda rows=rows, greedy=greedy: self._choose(rows, greedy),
+                                                     self._generator, pool, warmup=CAPTURE_RUNS - 1)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
 

@@ -36,7 +36,10 @@ def stacked_weights(weight: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor 
     N, K = weight.shape
     if weight.dtype != lora_A.dtype or not (weight.is_contiguous() and lora_A.is_contiguous()):
         return None
-    if lora_A.data_ptr() != weight.data_ptr() + N * K * weight.element_size() or lora_A.device != weight.device:
+    # One storage, lora_A's rows right after weight's: tensors of two allocations that merely touch do not count.
+    same_storage = (lora_A.device == weight.device
+                    and lora_A.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr())
+    if not same_storage or lora_A.storage_offset() != weight.storage_offset() + N * K:
         return None
     return weight.as_strided((N + lora_A.shape[0], K), (K, 1))
 

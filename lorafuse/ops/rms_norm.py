@@ -1,7 +1,7 @@
 """RMSNorm as Llama, Mistral and Qwen compute it, in one kernel: y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype).
 
-transformers' RMSNorm runs six kernels (cast, square, mean, add + rsqrt, multiply, cast, scale); a decode step
-has two per layer, each moving a few kilobytes, so their launches are the cost. Forward only: it serves decoding
+transformers' RMSNorm runs seven kernels (cast, square, mean, add, rsqrt, multiply, cast and scale); a decode
+step has two per layer, each moving a few kilobytes, so their launches are the cost. Forward only: it serves decoding
 (lorafuse.inference), where nothing needs a gradient.
 """
 import os
@@ -58,6 +58,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     block = triton.next_power_of_2(D)
-    _rms_norm[(x2.shape[0],)](x2, weight, y, D, x2.stride(0), eps, BLOCK_D=block,
+    _rms_norm[(x2.shape[0],)](x2, weight.contiguous(), y, D, x2.stride(0), eps, BLOCK_D=block,
                               num_warps=min(16, max(1, block // 256)))
     return y.view(shape)

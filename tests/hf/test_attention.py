@@ -524,3 +524,16 @@ def test_memo_follows_the_tensor():
     assert memo.get(other, ("a",), lambda: 10) == 10
     del mask, other
     assert not memo._entries  # dropped with their tensors
+
+
+def test_windows_keyword_refuses_a_sliding_window_layer_and_wrong_shapes():
+    # The windows must say the whole relation: a sliding window on top is not applied, so it is refused.
+    from lorafuse.hf.attention import WINDOWS_KWARG, lorafuse_attention_forward
+    from lorafuse.ops.attention_windows import windows_of_one_query
+    q, kv = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16)
+    windows = windows_of_one_query(torch.ones(2, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sliding-window layer"):
+        lorafuse_attention_forward(torch.nn.Module(), q, kv, kv, None, sliding_window=4, **{WINDOWS_KWARG: windows})
+    with pytest.raises(ValueError, match=r"key windows for \(2, 1\) queries, the call has \[B, Nq\] = \[2, 3\]"):
+        lorafuse_attention_forward(torch.nn.Module(), torch.randn(2, 4, 3, 16), kv, kv, None,
+                                   **{WINDOWS_KWARG: windows})

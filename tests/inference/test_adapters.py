@@ -90,21 +90,25 @@ def test_fused_layers_and_attention_decode_and_swap(saved, fallback_log):
     assert not [r.message for r in fallback_log.records if "attention runs because of" in r.message]
     peft_engine = Engine(peft_model(saved, "A"), max_length=16, buckets=(4,), check_every=5)
     assert peft_engine.generate(PROMPTS[:3], short) == [ids[:4] for ids in tokens["A"][:3]]
-    torch.testing.assert_close(engine.last_logits(3), peft_engine.last_logits(3), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(engine.last_logits(), peft_engine.last_logits(), rtol=1e-4, atol=1e-4)
     engine.swap_adapter(root / "B")
     assert engine.generate(PROMPTS[:3], short) == [ids[:4] for ids in tokens["B"][:3]]
     assert lora_layer_kinds(model) == {"FusedLoraLinear": 8}
 
 
-def test_unmerged_adapter_is_cast_and_stacked_under_the_frozen_weights(saved):
-    # PEFT keeps the adapter of a bf16 model in float32 (for training); the engine casts it to bf16 in place and
-    # stores each lora_A right after its frozen weight (one GEMM then gives both), values unchanged.
+def test_unmerged_adapter_is_cast_and_stacked_under_the_frozen_weights(saved, fallback_log):
+    # PEFT keeps the adapter of a bf16 model in float32 (for training); the engine casts it to bf16 in place (said
+    # once: the user's adapter is rounded) and stores each lora_A right after its frozen weight (one GEMM then
+    # gives both), with the rounded values. stack_adapters=False leaves the model alone.
     model = PeftModel.from_pretrained(tiny_llama().to(torch.bfloat16), saved[0] / "A").eval()
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     lora = [param for name, param in model.named_parameters() if "lora_" in name]
     assert lora and {param.dtype for param in lora} == {torch.float32}
+    Engine(model, max_length=8, buckets=(1,), stack_adapters=False)
+    assert {param.dtype for param in lora} == {torch.float32} and not fallback_log.records
     Engine(model, max_length=8, buckets=(1,))
     assert {param.dtype for param in lora} == {torch.bfloat16}
+    assert [r.message for r in fallback_log.records if "cast in place from torch.float32" in r.message]
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name].to(param.dtype)), name
     layers = [m for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
@@ -114,3 +118,12 @@ def test_unmerged_adapter_is_cast_and_stacked_under_the_frozen_weights(saved):
     addresses = [param.data_ptr() for param in model.parameters()]
     Engine(model, max_length=8, buckets=(1,))
     assert [param.data_ptr() for param in model.parameters()] == addresses
+
+
+def test_a_stacked_adapter_saves_and_merges_as_before(saved, tmp_path):
+    model = peft_model(saved, "A")
+    engine = Engine(model, max_length=24, buckets=(8,))
+    tokens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    model.save_pretrained(tmp_path / "again")
+    assert hf_greedy(PeftModel.from_pretrained(tiny_llama(), tmp_path / "again").eval(), PROMPTS, NEW) == tokens
+    assert hf_greedy(model.merge_and_unload(), PROMPTS, NEW) == tokens == saved[1]["A"]

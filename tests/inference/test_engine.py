@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from lorafuse.hf import decoding
 from lorafuse.inference import Engine, SamplingParams
 from tests.hf.families import VOCAB, tiny_model
 from tests.inference.helpers import TINY_LLAMA, hf_greedy, prompts, tiny_llama
@@ -114,26 +115,27 @@ def test_families_equal_generate(family, overrides):
     engine = Engine(model, max_length=20, buckets=(8,), check_every=3)
     assert engine.fallback_reason is None
     assert engine.generate(batch, SamplingParams(max_new_tokens=8)) == reference
-    # every RMSNorm runs the kernel: two per layer and the final one, and Qwen3's per-head q_norm and k_norm
+    # every RMSNorm can run the kernel: two per layer and the final one, and Qwen3's per-head q_norm and k_norm
     layers = model.config.num_hidden_layers
-    norms = [m for m in model.modules() if "forward" in vars(m)]
-    assert len(norms) == 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)
-    assert all(type(m).__name__.endswith("RMSNorm") for m in norms)
+    assert len(engine._norms) == 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)
+    assert all(type(m).__name__.endswith("RMSNorm") for m in engine._norms)
 
 
-def test_fused_norms_keep_transformers_forward_for_gradients():
+def test_rms_norms_run_the_kernel_in_the_engine_only(monkeypatch):
+    calls = []
+    real = decoding.rms_norm
+    monkeypatch.setattr(decoding, "rms_norm", lambda *args: calls.append(1) or real(*args))
     model = tiny_llama()
-    Engine(model, max_length=8, buckets=(1,))
-    norm = model.model.norm
+    engine = Engine(model, max_length=8, buckets=(1,))
+    engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))
+    assert len(calls) == 3 * 9  # prefill and two decode steps, nine norms each
+    # outside the engine's forwards the modules are transformers' own: differentiable, no kernel
+    assert not [m for m in model.modules() if "forward" in vars(m)]
     x = torch.randn(2, 3, model.config.hidden_size, requires_grad=True)
-    (norm(x) ** 2).sum().backward()  # transformers' forward: differentiable
-    expected = x.grad.clone()
-    x.grad = None
-    out = type(norm).forward(norm, x)
-    (out ** 2).sum().backward()
-    assert torch.equal(x.grad, expected)
+    assert model.model.norm(x).grad_fn is not None
     with torch.no_grad():
-        torch.testing.assert_close(norm(x), out, rtol=1e-6, atol=1e-6)  # the kernel
+        model(torch.tensor([[5, 6]]))
+    assert len(calls) == 27
 
 
 @pytest.mark.parametrize("family, overrides, reason", [
@@ -151,3 +153,14 @@ def test_other_models_fall_back_to_generate_and_say_why_once(fallback_log, famil
     assert engine.generate(batch, SamplingParams(max_new_tokens=6)) == hf_greedy(model, batch, 6)
     sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
     assert engine.generate(batch, sampled) == engine.generate(batch, sampled)
+
+
+def test_last_logits_are_the_latest_chunks_and_the_prefills_with_one_token(model):
+    engine = Engine(model, max_length=16, buckets=(1, 2))
+    batch = PROMPTS[:3]  # two chunks: two prompts, then one
+    engine.generate(batch, SamplingParams(max_new_tokens=1))
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([batch[2]])).logits[:, -1]
+    torch.testing.assert_close(engine.last_logits(), expected, rtol=1e-5, atol=1e-5)
+    engine.last_logits().zero_()  # a copy: the engine's buffer is untouched
+    torch.testing.assert_close(engine.last_logits(), expected, rtol=1e-5, atol=1e-5)

@@ -74,6 +74,13 @@ def test_stacked_weights_only_when_adjacent_and_alike():
     assert stacked_weights(weight.bfloat16(), lora_A.bfloat16()) is None      # copies, not adjacent
     both = torch.randn(8, 10)
     assert stacked_weights(both[:6], both[6:].t().contiguous().t()) is None   # not row-major
+    # two storages that happen to touch in memory: not stacked (a view across both would run past the first)
+    buffer = torch.randn(80)
+    first, second = torch.empty(0), torch.empty(0)
+    first.set_(buffer.untyped_storage()[:6 * 10 * 4], 0, (6, 10))
+    second.set_(buffer.untyped_storage()[6 * 10 * 4:], 0, (2, 10))
+    assert second.data_ptr() == first.data_ptr() + 6 * 10 * 4
+    assert stacked_weights(first, second) is None
 
 
 @pytest.mark.parametrize("rows, grad, dropout_p, routed", [
