@@ -72,7 +72,7 @@ def write_rows(rows, bench, out_dirs):
             writer.writerows(rows)
 
 
-def print_profile(provider, step, steps=2, kernels=15):
+def print_profile(provider, step, steps=2, kernels=30):
     """The GPU kernels that take a step's time (torch.profiler over `steps` more steps), largest first."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
