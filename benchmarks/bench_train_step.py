@@ -20,10 +20,10 @@ optimizer.zero_grad(set_to_none=True). Shapes (batch 4 x 2048 tokens):
 
 Providers, each on a fresh model (previous one freed, CUDA cache emptied, peak stats reset), same seed:
   peft        PEFT's LoRA layers, attn_implementation="sdpa" (the baseline)
-  lorafuse    the same PeftModel with fused LoRA layers and attn_implementation="lorafuse"
-              (lorafuse.get_peft_model when the package has it, else peft.get_peft_model + lorafuse.fuse
-              + set_attn_implementation("lorafuse"))
-  lorafuse_layers  fused LoRA layers, attention left at "sdpa": what each half of lorafuse brings
+  lorafuse    lorafuse.get_peft_model with its defaults: fused LoRA layers, attn_implementation="lorafuse",
+              RMSNorm and SwiGLU on lorafuse's kernels
+  lorafuse_layers_attention  fused LoRA layers and lorafuse attention, transformers' RMSNorm and MLP
+  lorafuse_layers  fused LoRA layers only, attention left at "sdpa": what each part of lorafuse brings
   peft_liger  peft after liger_kernel.transformers.apply_liger_kernel_to_llama(model=model) with its
               defaults (rope, RMSNorm, SwiGLU, fused linear cross-entropy), as the anchors; runs last and its
               patches of transformers' llama module are undone afterwards; skipped if liger is missing
@@ -95,7 +95,8 @@ LORA = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=TARGETS)
 LR = 1e-4
 LORA_B_STD = 0.02
 WARMUP, STEPS = 3, 10
-PROVIDERS = ("peft", "lorafuse", "lorafuse_layers", "peft_liger")  # liger last: it patches transformers' llama module
+# liger last: it patches transformers' llama module
+PROVIDERS = ("peft", "lorafuse", "lorafuse_layers_attention", "lorafuse_layers", "peft_liger")
 BASELINE = "peft"
 LOSS_RTOL, GRAD_RTOL = 2e-2, 0.1
 MATMUL_N = 8192
@@ -103,16 +104,6 @@ MATMUL_N = 8192
 
 # ------------------------------------------------------------------------------------------------
 # Models
-
-def lorafuse_peft_model(model, lora_config):
-    """PeftModel with fused LoRA layers and lorafuse attention."""
-    if hasattr(lorafuse, "get_peft_model"):
-        return lorafuse.get_peft_model(model, lora_config)
-    from peft import get_peft_model
-    lorafuse.register_attention()  # imports lorafuse.hf: attn_implementation="lorafuse"
-    model.set_attn_implementation("lorafuse")
-    return lorafuse.fuse(get_peft_model(model, lora_config))
-
 
 @contextlib.contextmanager
 def liger_patches_undone():
@@ -145,9 +136,11 @@ def build(provider, shape, device, dtype):
         apply_liger_kernel_to_llama(model=model)  # the anchors' call: defaults
     lora_config = LoraConfig(**LORA)
     if provider == "lorafuse":
-        model = lorafuse_peft_model(model, lora_config)
+        model = lorafuse.get_peft_model(model, lora_config)
+    elif provider == "lorafuse_layers_attention":
+        model = lorafuse.get_peft_model(model, lora_config, model_kernels=False)
     elif provider == "lorafuse_layers":
-        model = lorafuse.fuse(get_peft_model(model, lora_config), attention=False)
+        model = lorafuse.get_peft_model(model, lora_config, attention=False, model_kernels=False)
     else:
         model = get_peft_model(model, lora_config)
     generator = torch.Generator(device).manual_seed(1)
@@ -381,19 +374,19 @@ def out_dirs(args):
 
 
 def print_summary(table, peak_tflops):
-    print(f"\n{'shape':26} {'provider':11} {'tokens/s':>9} {'step ms':>8} {'peak GiB':>9} {'MFU':>6} "
+    print(f"\n{'shape':26} {'provider':25} {'tokens/s':>9} {'step ms':>8} {'peak GiB':>9} {'MFU':>6} "
           f"{'speedup':>8} {'memory':>7}")
     for shape_key, results in table.items():
         base = results.get(BASELINE)
         for provider, r in results.items():
             if "times" not in r:
-                print(f"{shape_key:26} {provider:11} not timed ({r['status']})")
+                print(f"{shape_key:26} {provider:25} not timed ({r['status']})")
                 continue
             has_base = base is not None and "times" in base
             speedup = f"{base['median_ms'] / r['median_ms']:7.2f}x" if has_base else f"{'-':>8}"
             memory = f"{r['peak_GiB'] / base['peak_GiB']:6.2f}x" if has_base else f"{'-':>7}"
             flag = "  (not fully fused: see above)" if r.get("warnings") else ""
-            print(f"{shape_key:26} {provider:11} {r['tokens_per_s']:9.0f} {r['median_ms']:8.1f} {r['peak_GiB']:9.2f} "
+            print(f"{shape_key:26} {provider:25} {r['tokens_per_s']:9.0f} {r['median_ms']:8.1f} {r['peak_GiB']:9.2f} "
                   f"{100 * r['MFU']:5.1f}% {speedup} {memory}{flag}")
     print(f"(tokens/s from the mean step; speedup = peft median step / median step; memory = peak / peft's peak; "
           f"MFU against {peak_tflops:.0f} TFLOP/s of bf16 matmul measured in this run)")

@@ -1,22 +1,18 @@
 """What captured decoding (lorafuse.inference) asks of transformers and PEFT: which models it covers, a static
 KV cache with views for smaller batches, one forward that returns each row's next-token logits (its attention
-windows, RMSNorm on one kernel), the model's EOS and padding ids, merging an adapter or stacking it under the
+windows), the model's EOS and padding ids, merging an adapter or stacking it under the
 frozen weights, and transformers' generate for the models it does not cover.
 """
-import contextlib
 import copy
-import types
 
 import torch
 from peft import PeftModel, PeftType
 from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel, StaticCache
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .._logging import log_once
 from ..ops.attention_windows import windows_of_one_query
 from ..ops.lora_decode import stack_weights, stacked_weights
-from ..ops.rms_norm import rms_norm
 from . import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -152,45 +148,6 @@ def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
             if stacked_weights(base.weight, lora_A) is None:
                 base.weight.data, lora_A.data = stack_weights(base.weight, lora_A)
     return model
-
-
-def llama_rms_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The RMSNorm modules of `model` that compute exactly as Llama's (Llama, Mistral, Qwen2, Qwen3: their forward's
-    code is LlamaRMSNorm's), without a forward of their own (accelerate's hooks set one): those
-    `rms_norms_on_kernel` can run on lorafuse.ops.rms_norm."""
-    norms = []
-    for module in causal_lm(model).modules():
-        code = getattr(type(module).forward, "__code__", None)
-        if code is not None and _code_key(code) == _code_key(_LLAMA_NORM) and "forward" not in vars(module):
-            norms.append(module)
-    return norms
-
-
-@contextlib.contextmanager
-def rms_norms_on_kernel(norms: list[torch.nn.Module]):
-    """Within: each of `norms` (from llama_rms_norms) runs lorafuse.ops.rms_norm, one kernel instead of seven, for
-    calls that need no gradient. The modules are given back transformers' forward on exit: nothing outlives the
-    engine's own forwards (pickling, export and training see the stock modules)."""
-    for module in norms:
-        module.forward = types.MethodType(_rms_norm_forward, module)
-    try:
-        yield
-    finally:
-        for module in norms:
-            del module.forward
-
-
-_LLAMA_NORM = LlamaRMSNorm.forward.__code__
-
-
-def _code_key(code) -> tuple:
-    return code.co_code, code.co_names, code.co_consts
-
-
-def _rms_norm_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or module.weight.requires_grad):
-        return type(module).forward(module, hidden_states)
-    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
 def hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,

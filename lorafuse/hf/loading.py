@@ -63,13 +63,15 @@ def load_causal_lm(name_or_path: str, *, dtype: torch.dtype, attn_implementation
                              "model.random_init=true builds the model from its config instead") from err
 
 
-def add_lora(model: PreTrainedModel, *, fused: bool, attention: bool, **lora_config) -> peft.PeftModel:
+def add_lora(model: PreTrainedModel, *, fused: bool, attention: bool, model_kernels: bool = True,
+             **lora_config) -> peft.PeftModel:
     """A PeftModel with `peft.LoraConfig(task_type="CAUSAL_LM", **lora_config)`; with `fused`, its LoRA layers run
-    lorafuse's kernels, and with `attention` too, its attention lorafuse's kernel. Without `fused`: PEFT's own."""
+    lorafuse's kernels, with `attention` too its attention, with `model_kernels` its RMSNorms and SwiGLU MLPs.
+    Without `fused`: PEFT's own."""
     config = peft.LoraConfig(task_type="CAUSAL_LM", **lora_config)
     if not fused:
         return peft.get_peft_model(model, config)
-    return get_peft_model(model, config, attention=attention)
+    return get_peft_model(model, config, attention=attention, model_kernels=model_kernels)
 
 
 def save_merged(base: PreTrainedModel, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .._logging import log_once
-from ..hf import adapter_swap, decoding
+from ..hf import adapter_swap, decoding, model_kernels
 from .graphs import capture
 from .sampling import SamplingParams, sample
 from .stopping import StopChecker
@@ -89,7 +89,7 @@ class Engine:
             return
         if stack_adapters and not merge:
             decoding.stack_adapters(self.model)
-        self._norms = decoding.llama_rms_norms(self.model)
+        self._norms = model_kernels.llama_rms_norms(decoding.causal_lm(self.model))
         self._latest = None  # (rows, how many of them the latest batch used)
         cache = decoding.static_cache(self.model, self.buckets[-1], max_length)
         vocab = decoding.vocab_size(self.model)
@@ -173,7 +173,7 @@ class Engine:
         ids, keep = self._left_padded(prompts + [prompts[0]] * (rows.size - len(prompts)))  # [size, T]
         length = ids.shape[1]
         rows.cache.reset()
-        with decoding.rms_norms_on_kernel(self._norms):
+        with model_kernels.rms_norms_on_kernel(self._norms):
             logits = decoding.next_token_logits(self.model, ids, keep, (keep.cumsum(-1) - 1).clamp(min=0),
                                                 rows.cache)
         rows.logits.copy_(logits)
@@ -205,7 +205,7 @@ class Engine:
         rows.logits. Reads and writes only `rows`' buffers and the cache."""
         rows.mask.index_fill_(1, rows.slot, True)  # the slot the fed token is written to becomes visible
         mask = decoding.decode_mask(self.model, rows.mask)
-        with decoding.rms_norms_on_kernel(self._norms):
+        with model_kernels.rms_norms_on_kernel(self._norms):
             logits = decoding.next_token_logits(self.model, rows.ids, mask, rows.pos, rows.cache,
                                                 **decoding.decode_attention_kwargs(self.model, rows.mask))  # [size, V]
         rows.logits.copy_(logits)

@@ -1,8 +1,10 @@
-"""RMSNorm as Llama, Mistral and Qwen compute it, in one kernel: y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype).
+"""RMSNorm as Llama, Mistral and Qwen compute it, forward and backward: y = w * (x * rsqrt(mean(x^2) + eps)).to(dtype).
 
-transformers' RMSNorm runs seven kernels (cast, square, mean, add, rsqrt, multiply, cast and scale); a decode
-step has two per layer, each moving a few kilobytes, so their launches are the cost. Forward only: it serves decoding
-(lorafuse.inference), where nothing needs a gradient.
+transformers' RMSNorm runs seven kernels forward (cast, square, mean, add, rsqrt, multiply, cast and scale) and
+about as many backward, keeping float32 copies of the activations for the backward. Here the forward is one kernel
+that keeps only rstd (one float per row), and the backward one more: dx (and, when the weight trains, per-program
+partial sums of dw). A decode step's norms move a few kilobytes each, so there the launches are the cost; in
+training the float32 copies are (a Llama-1B step: 33 norms over [8192, 2048]).
 """
 import os
 
@@ -11,8 +13,10 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
+from ._tiles import sm_count
 
-MAX_WIDTH = 16384  # one row per program, held in registers
+MAX_WIDTH = 16384  # one row at a time, held in registers
+BWD_PROGRAMS_PER_SM = 4  # backward programs loop over rows, each keeping its own dw partial sum
 
 
 def rms_norm_reference(x, weight, eps):
@@ -22,8 +26,8 @@ def rms_norm_reference(x, weight, eps):
 
 
 @triton.jit
-def _rms_norm(x_ptr, w_ptr, y_ptr, D, stride_x, eps, BLOCK_D: tl.constexpr):
-    # x: [M, D] (row stride stride_x, unit column stride), w: [D], y: [M, D] contiguous; one program per row
+def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, D, stride_x, eps, BLOCK_D: tl.constexpr, STORE_RSTD: tl.constexpr):
+    # x: [M, D] (row stride stride_x, unit column stride), w: [D], y: [M, D] contiguous, rstd: [M]; a program per row
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -32,6 +36,40 @@ def _rms_norm(x_ptr, w_ptr, y_ptr, D, stride_x, eps, BLOCK_D: tl.constexpr):
     normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype first, as transformers
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row.to(tl.int64) * D + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_ptr, M, D, stride_x, stride_dy,
+                  BLOCK_D: tl.constexpr, HAS_DW: tl.constexpr):
+    # x: [M, D] (row stride stride_x), dy: [M, D] (row stride stride_dy), dx: [M, D] contiguous, rstd: [M],
+    # dw: [programs, D] fp32 partial sums; program p takes rows p, p + programs, ...
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], tl.float32)
+    x_row = x_ptr + pid.to(tl.int64) * stride_x  # 64-bit row offsets, advanced a stride of rows per step
+    dy_row = dy_ptr + pid.to(tl.int64) * stride_dy
+    dx_row = dx_ptr + pid.to(tl.int64) * D
+    for row in tl.range(pid, M, programs):
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        normed = x * rstd
+        dnormed = dy * w  # the rounding of normed to x's dtype passes gradients through unchanged
+        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (dn - n * mean(dn * n))
+        dx = rstd * (dnormed - normed * (tl.sum(dnormed * normed, axis=0) / D))
+        tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            dw += dy * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+        x_row += programs.to(tl.int64) * stride_x
+        dy_row += programs.to(tl.int64) * stride_dy
+        dx_row += programs.to(tl.int64) * D
+    if HAS_DW:
+        tl.store(dw_ptr + pid.to(tl.int64) * D + cols, dw, mask=mask)
 
 
 def _unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -44,20 +82,66 @@ def _unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # [..., D] -> [M, D] with unit column stride (a view when the layout allows)
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+def _forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, store_rstd: bool):
+    # x2: [M, D] -> y [M, D] (promoted dtype), rstd [M] fp32 (or None)
+    M, D = x2.shape
+    y = torch.empty(x2.shape, device=x2.device, dtype=torch.promote_types(weight.dtype, x2.dtype))
+    rstd = torch.empty(M, device=x2.device, dtype=torch.float32) if store_rstd else None
+    block = triton.next_power_of_2(D)
+    _rms_norm_fwd[(M,)](x2, weight, y, rstd if store_rstd else y, D, x2.stride(0), eps, BLOCK_D=block,
+                        STORE_RSTD=store_rstd, num_warps=_warps(block))
+    return y, rstd
+
+
+def _backward(x2, weight, rstd, dy2, need_dw: bool):
+    # x2, dy2: [M, D], rstd: [M] -> dx [M, D] in x's dtype, dw [D] in weight's dtype (or None)
+    M, D = x2.shape
+    programs = min(M, sm_count(x2.device) * BWD_PROGRAMS_PER_SM) if need_dw else M
+    dx = torch.empty(x2.shape, device=x2.device, dtype=x2.dtype)
+    dw_partial = torch.empty(programs, D, device=x2.device, dtype=torch.float32) if need_dw else dx
+    block = triton.next_power_of_2(D)
+    _rms_norm_bwd[(programs,)](x2, weight, rstd, dy2, dx, dw_partial, M, D, x2.stride(0), dy2.stride(0),
+                               BLOCK_D=block, HAS_DW=need_dw, num_warps=_warps(block))
+    return dx, dw_partial.sum(0).to(weight.dtype) if need_dw else None
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, eps):
+        y, rstd = _forward(x2, weight, eps, store_rstd=True)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(x2, weight, rstd, _rows(dy), ctx.needs_input_grad[1])
+        return dx, dw, None
+
+
+@torch.compiler.disable  # compiled models call the kernels as they are (a graph break), never trace them
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm_reference's result from one launch (no autograd); inputs the kernel does not take run the
-    reference, the reason logged once."""
-    # x: [..., D], weight: [D]
+    """rms_norm_reference's result, differentiable in x and weight: one kernel forward, one backward. Inputs the
+    kernels do not take run the reference, the reason logged once."""
+    # x: [..., D], weight: [D] -> [..., D]
     reason = _unsupported_reason(x, weight)
     if reason is not None:
         log_once(f"lorafuse.rms_norm: {reason}")
         return rms_norm_reference(x, weight, eps)
-    shape, D = x.shape, x.shape[-1]
-    x2 = x.reshape(-1, D)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
-    block = triton.next_power_of_2(D)
-    _rms_norm[(x2.shape[0],)](x2, weight.contiguous(), y, D, x2.stride(0), eps, BLOCK_D=block,
-                              num_warps=min(16, max(1, block // 256)))
-    return y.view(shape)
+    x2 = _rows(x)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y = _RMSNorm.apply(x2, weight.contiguous(), float(eps))
+    else:
+        y = _forward(x2, weight.contiguous(), float(eps), store_rstd=False)[0]
+    return y.view(x.shape)

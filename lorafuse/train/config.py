@@ -84,6 +84,7 @@ class LoraSection:
     use_rslora: bool = False
     bias: str = "none"
     fused: bool = True                  # False: PEFT's own LoRA layers (for comparison)
+    model_kernels: bool = True          # with fused: Llama-style RMSNorm and SwiGLU on lorafuse's kernels too
 
 
 @dataclass

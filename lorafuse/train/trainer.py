@@ -103,7 +103,8 @@ class Finetune:
             raise ConfigError(f"model.name_or_path: {err}") from err
         lora = self.cfg.lora
         model = loading.add_lora(
-            model, fused=lora.fused, attention=cfg.attn_implementation.value == "lorafuse", r=lora.r,
+            model, fused=lora.fused, attention=cfg.attn_implementation.value == "lorafuse",
+            model_kernels=lora.model_kernels, r=lora.r,
             lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
             exclude_modules=lora.exclude_modules, use_rslora=lora.use_rslora, bias=lora.bias)
         if self.cfg.train.activation_checkpointing:

@@ -38,6 +38,8 @@ def kernel_calls(monkeypatch) -> collections.Counter:
     calls = collections.Counter()
     count_calls(monkeypatch, calls, "lorafuse.nn.lora_linear", "lora_linear")
     count_calls(monkeypatch, calls, "lorafuse.hf.attention", "flash_attention")
+    count_calls(monkeypatch, calls, "lorafuse.hf.model_kernels", "rms_norm")
+    count_calls(monkeypatch, calls, "lorafuse.hf.model_kernels", "silu_mul")
     return calls
 
 
@@ -51,6 +53,13 @@ def logits_and_grads(model: nn.Module, inputs: dict) -> dict:
     return {"logits": out.logits.detach(), "inputs_embeds": embeds.grad, **grads}
 
 
+# Llama-style RMSNorms (two per layer and the final one; Qwen3 adds q and k norms) and SwiGLU MLPs (one per layer)
+# on lorafuse's kernels; Gemma's norm (1 + weight) and gelu MLP, GPT-2 and BERT keep transformers' modules.
+LLAMA_STYLE = {"rms_norm": 2 * LAYERS + 1, "silu_mul": LAYERS}
+MODEL_KERNELS = {"llama": LLAMA_STYLE, "mistral": LLAMA_STYLE, "qwen2": LLAMA_STYLE,
+                 "qwen3": {"rms_norm": 4 * LAYERS + 1, "silu_mul": LAYERS}, "gemma3": {}, "gpt2": {}, "bert": {}}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_grads_match_peft(family, kernel_calls):
     plain = peft.get_peft_model(tiny_model(family), lora_config(family))
@@ -59,7 +68,7 @@ def test_logits_and_grads_match_peft(family, kernel_calls):
     assert fused.get_base_model().config._attn_implementation == "lorafuse"
     inputs = batch(family)
     fused_results = logits_and_grads(fused, inputs)
-    assert kernel_calls == {"lora_linear": LORA_LAYERS[family], "flash_attention": LAYERS}
+    assert kernel_calls == {"lora_linear": LORA_LAYERS[family], "flash_attention": LAYERS, **MODEL_KERNELS[family]}
     assert_fp32_close(fused_results, logits_and_grads(plain, inputs))
 
 

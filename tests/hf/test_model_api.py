@@ -1,5 +1,6 @@
 """lorafuse's model API (get_peft_model, from_pretrained, fuse, unfuse): PEFT's target specs fused as PEFT targets
 them, and what users are told - errors for targets that cannot work, one log line for what runs unfused."""
+import collections
 import copy
 
 import peft
@@ -21,14 +22,26 @@ def attention_of(model: PeftModel) -> str:
     return model.get_base_model().config._attn_implementation
 
 
-def test_get_peft_model_fuses_layers_and_attention_and_unfuse_restores_both():
+def on_model_kernels(model: PeftModel) -> dict:
+    """{class name: how many of its modules have lorafuse's forward} for the norms and MLPs of `model`."""
+    found = collections.Counter()
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if forward is not None and forward.__module__ == "lorafuse.hf.model_kernels":
+            found[type(module).__name__] += 1
+    return dict(found)
+
+
+def test_get_peft_model_fuses_layers_attention_and_model_kernels_and_unfuse_restores_all():
     model = lorafuse.get_peft_model(tiny_model("llama"), lora_config("llama", target_modules=["q_proj", "v_proj"]))
     assert isinstance(model, PeftModel)
     assert (lora_layer_kinds(model), attention_of(model)) == ({"FusedLoraLinear": 4}, "lorafuse")
+    assert on_model_kernels(model) == {"LlamaRMSNorm": 5, "LlamaMLP": 2}
     assert lorafuse.unfuse(model) is model
-    assert (lora_layer_kinds(model), attention_of(model)) == ({"Linear": 4}, "sdpa")
-    assert lorafuse.fuse(model, attention=False) is model
-    assert (lora_layer_kinds(model), attention_of(model)) == ({"FusedLoraLinear": 4}, "sdpa")
+    assert (lora_layer_kinds(model), attention_of(model), on_model_kernels(model)) == ({"Linear": 4}, "sdpa", {})
+    assert lorafuse.fuse(model, attention=False, model_kernels=False) is model
+    assert (lora_layer_kinds(model), attention_of(model), on_model_kernels(model)) == ({"FusedLoraLinear": 4},
+                                                                                        "sdpa", {})
 
 
 def test_from_pretrained_passes_peft_arguments(tmp_path):

@@ -1,0 +1,83 @@
+"""Llama-family modules on lorafuse's kernels: RMSNorm (ops.rms_norm) and the MLP's SwiGLU product (ops.silu_mul).
+
+A module is taken only when its forward is transformers' own code for it - LlamaRMSNorm's, or LlamaMLP's with a SiLU
+activation (Mistral, Qwen2 and Qwen3 share both) - compared as bytecode, names and constants, so a model whose norm
+or MLP computes anything else keeps it. Its instance then gets a `forward` attribute that computes the same on the
+kernels, forward and backward; deleting that attribute gives transformers' forward back. Modules that already have
+an instance forward (accelerate's hooks set one) are left alone.
+"""
+import contextlib
+import types
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from ..ops.rms_norm import rms_norm
+from ..ops.silu_mul import silu_mul
+
+
+def _code_key(code) -> tuple:
+    return code.co_code, code.co_names, code.co_consts
+
+
+def _runs_code_of(module: nn.Module, reference) -> bool:
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and _code_key(code) == _code_key(reference.forward.__code__) and "forward" not in vars(
+        module)
+
+
+def _rms_norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+def _swiglu_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # as LlamaMLP.forward, the projections called in the same order (dropout draws stay in step)
+    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+
+
+_OURS = (_rms_norm_forward, _swiglu_mlp_forward)
+
+
+def llama_rms_norms(model: nn.Module) -> list[nn.Module]:
+    """The RMSNorm modules of `model` that compute exactly as LlamaRMSNorm, with transformers' forward."""
+    return [m for m in model.modules() if _runs_code_of(m, LlamaRMSNorm)]
+
+
+def swiglu_mlps(model: nn.Module) -> list[nn.Module]:
+    """The MLP modules of `model` that compute exactly as LlamaMLP with a SiLU activation, with transformers'
+    forward."""
+    return [m for m in model.modules()
+            if _runs_code_of(m, LlamaMLP) and isinstance(getattr(m, "act_fn", None), (SiLUActivation, nn.SiLU))]
+
+
+def use_model_kernels(model: nn.Module) -> int:
+    """Give every Llama-style RMSNorm and SwiGLU MLP of `model` lorafuse's kernels; returns how many modules."""
+    norms, mlps = llama_rms_norms(model), swiglu_mlps(model)
+    for module in norms:
+        module.forward = types.MethodType(_rms_norm_forward, module)
+    for module in mlps:
+        module.forward = types.MethodType(_swiglu_mlp_forward, module)
+    return len(norms) + len(mlps)
+
+
+def drop_model_kernels(model: nn.Module) -> None:
+    """Give the modules that use_model_kernels changed transformers' forward back."""
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if getattr(forward, "__func__", None) in _OURS:
+            del module.forward
+
+
+@contextlib.contextmanager
+def rms_norms_on_kernel(norms: list[nn.Module]):
+    """Within: each of `norms` (from llama_rms_norms) runs lorafuse.ops.rms_norm. Given transformers' forward back
+    on exit: captured decoding uses the kernel in its own forwards only, on models that did not ask for it."""
+    for module in norms:
+        module.forward = types.MethodType(_rms_norm_forward, module)
+    try:
+        yield
+    finally:
+        for module in norms:
+            del module.forward

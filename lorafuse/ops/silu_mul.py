@@ -1,0 +1,100 @@
+"""The SwiGLU product of Llama-family MLPs, forward and backward: y = silu(gate) * up.
+
+transformers computes it as two kernels forward (silu, then the product, keeping silu(gate) for the backward: one
+more activation-sized tensor per layer) and about five backward. Here one kernel each way; the backward recomputes
+silu(gate) from gate, which it reads anyway.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .._logging import log_once
+
+BLOCK = 2048  # elements per program: memory-bound, 16-byte vectors on every thread of 8 warps
+
+
+def silu_mul_reference(gate, up):
+    # gate, up: [...] -> [...], as transformers' LlamaMLP: act_fn(gate_proj(x)) * up_proj(x)
+    return F.silu(gate) * up
+
+
+@triton.jit
+def _silu_mul_fwd(gate_ptr, up_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    # gate, up, y: [n] contiguous
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(y_ptr.dtype.element_ty).to(tl.float32)  # rounded as transformers' silu
+    tl.store(y_ptr + offs, (silu * up).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd(gate_ptr, up_ptr, dy_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.constexpr):
+    # gate, up, dy, dgate, dup: [n] contiguous
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    # d silu / d gate = sig * (1 + gate * (1 - sig))
+    tl.store(dgate_ptr + offs, (dy * up * sig * (1.0 + gate * (1.0 - sig))).to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + offs, (dy * silu.to(gate_ptr.dtype.element_ty).to(tl.float32)).to(dup_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _unsupported_reason(gate: torch.Tensor, up: torch.Tensor) -> str | None:
+    if gate.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "tensors not on a CUDA device run the PyTorch reference (TRITON_INTERPRET=1 runs the kernel on CPU)"
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        return (f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ in shape, dtype "
+                "or device: the PyTorch reference broadcasts and promotes")
+    if gate.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"{gate.dtype} inputs run the PyTorch reference"
+    if gate.numel() == 0:
+        return "empty inputs run the PyTorch reference"
+    return None
+
+
+def _grid(n: int):
+    return (triton.cdiv(n, BLOCK),)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        y = torch.empty_like(gate)
+        _silu_mul_fwd[_grid(gate.numel())](gate, up, y, gate.numel(), BLOCK=BLOCK, num_warps=8)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        _silu_mul_bwd[_grid(gate.numel())](gate, up, dy.contiguous(), dgate, dup, gate.numel(), BLOCK=BLOCK,
+                                           num_warps=8)
+        return dgate, dup
+
+
+@torch.compiler.disable  # compiled models call the kernels as they are (a graph break), never trace them
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in one kernel, differentiable in both; inputs the kernels do not take run the reference, the
+    reason logged once."""
+    # gate, up: [...] (same shape and dtype) -> [...]
+    reason = _unsupported_reason(gate, up)
+    if reason is not None:
+        log_once(f"lorafuse.silu_mul: {reason}")
+        return silu_mul_reference(gate, up)
+    gate_c, up_c = gate.contiguous(), up.contiguous()
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMul.apply(gate_c, up_c)
+    y = torch.empty_like(gate_c)
+    _silu_mul_fwd[_grid(gate_c.numel())](gate_c, up_c, y, gate_c.numel(), BLOCK=BLOCK, num_warps=8)
+    return y
