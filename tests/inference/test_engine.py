@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lorafuse.hf import decoding
+from lorafuse.hf import model_kernels
 from lorafuse.inference import Engine, SamplingParams
 from tests.hf.families import VOCAB, tiny_model
 from tests.inference.helpers import TINY_LLAMA, hf_greedy, prompts, tiny_llama
@@ -123,8 +123,8 @@ def test_families_equal_generate(family, overrides):
 
 def test_rms_norms_run_the_kernel_in_the_engine_only(monkeypatch):
     calls = []
-    real = decoding.rms_norm
-    monkeypatch.setattr(decoding, "rms_norm", lambda *args: calls.append(1) or real(*args))
+    real = model_kernels.rms_norm
+    monkeypatch.setattr(model_kernels, "rms_norm", lambda *args: calls.append(1) or real(*args))
     model = tiny_llama()
     engine = Engine(model, max_length=8, buckets=(1,))
     engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))
