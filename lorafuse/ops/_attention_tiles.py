@@ -81,33 +81,19 @@ def load_rows(X, b, h, offs, start, stride, n, offs_d, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
-def load_seen_rows(X_RAW, offs, stride, n, seen, offs_d, HEAD_DIM: tl.constexpr):
-    # a [BLOCK, D_TILE] tile of rows offs of X_RAW (a pointer at (b, h)); rows not `seen` read as zeros: padding
-    # may hold NaN, and 0 * NaN would reach the dots. A masked pointer load, not a select on a loaded tile: a
-    # select on a TMA-loaded tile slows every loop of the kernel (measured 1.25-1.45x on an H200).
-    mask = (seen & (offs < n))[:, None] & (offs_d < HEAD_DIM)[None, :]
-    return tl.load(X_RAW + offs[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def fwd_tiles(acc, l_i, m_i, q, K, V, V_RAW, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag,
-               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+def fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
                D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
-    # V_RAW: V as a pointer at (b, hk), for the masked tiles of windows
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
-        if MASKED:
-            ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
-            if WINDOWED:  # keys no row here sees may hold NaN
-                v = load_seen_rows(V_RAW, offs_n, svn, n_k, tl.max(ok.to(tl.int32), 0) > 0, offs_d, HEAD_DIM)
-            else:
-                v = load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
-        else:
-            v = load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        v = load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
+            ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
             s = tl.where(ok, qk * qk_scale, -float("inf"))
+            if WINDOWED:  # keys no row here sees may hold NaN
+                v = tl.where(tl.max(ok.to(tl.int32), 0)[:, None] > 0, v, 0.0)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # rows with no key yet keep max -inf, but subtract 0 (not -inf - -inf = NaN)
             m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)

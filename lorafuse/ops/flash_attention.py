@@ -25,8 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._logging import log_once
 from ._tiles import dot_precision
-from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, load_seen_rows,
-                               query_rows, tile_ranges)
+from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
+                               tile_ranges)
 from .attention_windows import AttentionWindows, allowed_keys
 from .flash_decode import fits_decode, flash_decode
 
@@ -115,14 +115,13 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group"])  # one compile for all lengths
-def _attn_fwd_kernel(Q, K, V, V_RAW, OUT, LSE, KEY_LO, KEY_HI,
+def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                      n_q, n_k, n_heads, group, qk_scale,
                      CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, STORE_LSE: tl.constexpr,
                      HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr, TMA: tl.constexpr):
-    # grid: (query tiles, B * Hq); q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (TMA descriptors when TMA); V_RAW: v's
-    # pointer always
+    # grid: (query tiles, B * Hq); q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (TMA descriptors when TMA)
     pid_m = heavy_first(CAUSAL)
     bh = tl.program_id(1)
     b = bh // n_heads
@@ -135,7 +134,6 @@ def _attn_fwd_kernel(Q, K, V, V_RAW, OUT, LSE, KEY_LO, KEY_HI,
         Q += b.to(tl.int64) * sqb + h * sqh
         K += b.to(tl.int64) * skb + hk * skh
         V += b.to(tl.int64) * svb + hk * svh
-    V_RAW += b.to(tl.int64) * svb + hk * svh
     q = load_rows(Q, b, h, offs_m, pid_m * BLOCK_M, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
 
     diag = n_k - n_q
@@ -147,12 +145,12 @@ def _attn_fwd_kernel(Q, K, V, V_RAW, OUT, LSE, KEY_LO, KEY_HI,
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_TILE], tl.float32)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, V_RAW, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1,
-                               n_k, diag, qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, V_RAW, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2,
-                               n_k, diag, qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, V_RAW, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi,
-                               n_k, diag, qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
+                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
+                               qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
+                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
 
     empty = l_i == 0.0  # no key at all: output zeros, and lse = inf makes every P zero
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -181,28 +179,26 @@ def _attn_bwd_delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, n_q, n_
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, Q_RAW, DO_RAW, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm, offs_n, offs_d, start,
-                stop, n_q, n_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm, offs_n, offs_d, start, stop,
+                n_q, n_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
                 TMA: tl.constexpr):
-    # Q_RAW, DO_RAW: q and dO as pointers at (b, h), for the masked tiles of windows
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        if MASKED:
-            klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-            ok = tl.trans(allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL))
-        if MASKED and WINDOWED:  # padded queries may hold NaN
-            q = load_seen_rows(Q_RAW, offs_m, sqm, n_q, klo < khi, offs_d, HEAD_DIM)
-            do = load_seen_rows(DO_RAW, offs_m, sdm, n_q, klo < khi, offs_d, HEAD_DIM)
-        else:
-            q = load_rows(Q, b, h, offs_m, start_m, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
-            do = load_rows(DO, b, h, offs_m, start_m, sdm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+        q = load_rows(Q, b, h, offs_m, start_m, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+        do = load_rows(DO, b, h, offs_m, start_m, sdm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
         lse = tl.load(LSE + offs_m, mask=offs_m < n_q, other=0.0)
         delta = tl.load(DELTA + offs_m, mask=offs_m < n_q, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
         pt = tl.math.exp2(st - lse[None, :])
         if MASKED:
+            klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
+            ok = tl.trans(allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL))
             pt = tl.where(ok, pt, 0.0)
+            if WINDOWED:  # padded queries may hold NaN
+                real = (klo < khi)[:, None]
+                q = tl.where(real, q, 0.0)
+                do = tl.where(real, do, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
@@ -211,7 +207,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, Q_RAW, DO_RAW, LSE, DELTA, KEY_LO, KEY_HI, 
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k", "n_kv_heads", "group"])  # one compile for all lengths
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, Q_RAW, DO_RAW, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY_LO, QUERY_HI,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY_LO, QUERY_HI,
                           sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
                           sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
                           n_q, n_k, n_kv_heads, group, scale, qk_scale,
@@ -220,7 +216,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, Q_RAW, DO_RAW, LSE, DELTA, DK, DV, KEY_LO
                           PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (key tiles, B * Hkv); each program sums over the query tiles of all `group` query
     # heads that share its K/V head, so dK and dV are written once, without atomics. Q and dO
-    # are TMA descriptors when TMA; Q_RAW and DO_RAW are their pointers always.
+    # are TMA descriptors when TMA.
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // n_kv_heads
@@ -261,17 +257,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, Q_RAW, DO_RAW, LSE, DELTA, DK, DV, KEY_LO
         else:
             q_ptr = Q + b.to(tl.int64) * sqb + h * sqh
             do_ptr = DO + b.to(tl.int64) * sdb + h * sdh
-        q_raw = Q_RAW + b.to(tl.int64) * sqb + h * sqh
-        do_raw = DO_RAW + b.to(tl.int64) * sdb + h * sdh
         row = (b * n_kv_heads * group + h).to(tl.int64) * n_q
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, q_raw, do_raw, LSE + row, DELTA + row, KEY_LO, KEY_HI,
-                             b, h, sqm, sdm, offs_n, offs_d, lo, f1, n_q, n_k, diag, qk_scale,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
+                             offs_n, offs_d, lo, f1, n_q, n_k, diag, qk_scale,
                              True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, q_raw, do_raw, LSE + row, DELTA + row, KEY_LO, KEY_HI,
-                             b, h, sqm, sdm, offs_n, offs_d, f1, f2, n_q, n_k, diag, qk_scale,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
+                             offs_n, offs_d, f1, f2, n_q, n_k, diag, qk_scale,
                              False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, q_raw, do_raw, LSE + row, DELTA + row, KEY_LO, KEY_HI,
-                             b, h, sqm, sdm, offs_n, offs_d, f2, hi, n_q, n_k, diag, qk_scale,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
+                             offs_n, offs_d, f2, hi, n_q, n_k, diag, qk_scale,
                              True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
     # s = scale * q k^T: dK carries the scale, dV does not
     tl.store(DK + b.to(tl.int64) * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
@@ -281,26 +275,22 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, Q_RAW, DO_RAW, LSE, DELTA, DK, DV, KEY_LO
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, K, V, K_RAW, V_RAW, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k,
-              diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-              HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr):
-    # K_RAW, V_RAW: k and v as pointers at (b, hk), for the masked tiles of windows
+def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag,
+              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+              D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASKED:
-            ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
-        if MASKED and WINDOWED:  # keys no row here sees may hold NaN
-            seen = tl.max(ok.to(tl.int32), 0) > 0
-            k = load_seen_rows(K_RAW, offs_n, skn, n_k, seen, offs_d, HEAD_DIM)
-            v = load_seen_rows(V_RAW, offs_n, svn, n_k, seen, offs_d, HEAD_DIM)
-        else:
-            k = load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
-            v = load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        k = load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
+        v = load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
+            ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
             p = tl.where(ok, p, 0.0)
+            if WINDOWED:  # keys no row here sees may hold NaN
+                seen = tl.max(ok.to(tl.int32), 0)[:, None] > 0
+                k = tl.where(seen, k, 0.0)
+                v = tl.where(seen, v, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -308,7 +298,7 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, K_RAW, V_RAW, b, hk, skn, svn, offs_m
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group"])  # one compile for all lengths
-def _attn_bwd_dq_kernel(Q, K, V, K_RAW, V_RAW, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
                         sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
                         n_q, n_k, n_heads, group, scale, qk_scale,
                         CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -331,8 +321,6 @@ def _attn_bwd_dq_kernel(Q, K, V, K_RAW, V_RAW, DO, LSE, DELTA, DQ, KEY_LO, KEY_H
     if not TMA:
         K += b.to(tl.int64) * skb + hk * skh
         V += b.to(tl.int64) * svb + hk * svh
-    K_RAW += b.to(tl.int64) * skb + hk * skh  # k and v's pointers always: masked tiles of windows load through them
-    V_RAW += b.to(tl.int64) * svb + hk * svh
 
     diag = n_k - n_q
     klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
@@ -343,12 +331,12 @@ def _attn_bwd_dq_kernel(Q, K, V, K_RAW, V_RAW, DO, LSE, DELTA, DQ, KEY_LO, KEY_H
     lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, diag, CAUSAL, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, D_TILE], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_RAW, V_RAW, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1,
-                   n_k, diag, qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_RAW, V_RAW, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2,
-                   n_k, diag, qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_RAW, V_RAW, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi,
-                   n_k, diag, qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
+                   qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
+                   qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
+                   qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     tl.store(DQ + b.to(tl.int64) * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -428,7 +416,7 @@ def _flash_forward(q, k, v, causal, scale, windows, store_lse):
     else:
         q_in, k_in, v_in = q, k, v
     _attn_fwd_kernel[grid](
-        q_in, k_in, v_in, v, out, lse, key_lo, key_hi,
+        q_in, k_in, v_in, out, lse, key_lo, key_hi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
@@ -465,7 +453,7 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     if tma:
         q_in, do_in = _descriptor(q, config["BLOCK_M"], d_tile), _descriptor(dout, config["BLOCK_M"], d_tile)
     _attn_bwd_dkdv_kernel[(triton.cdiv(n_k, config["BLOCK_N"]), b * n_kv_heads)](
-        q_in, k, v, do_in, q, dout, lse, delta, dk, dv, key_lo, key_hi, query_lo, query_hi, *strides,
+        q_in, k, v, do_in, lse, delta, dk, dv, key_lo, key_hi, query_lo, query_hi, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         n_q, n_k, n_kv_heads, group, scale, scale * LOG2_E, **flags, **config)
     config = _tiles("dq", d_tile, q, causal)
@@ -473,7 +461,7 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     if tma:
         k_in, v_in = _descriptor(k, config["BLOCK_N"], d_tile), _descriptor(v, config["BLOCK_N"], d_tile)
     _attn_bwd_dq_kernel[(triton.cdiv(n_q, config["BLOCK_M"]), b * n_heads)](
-        q, k_in, v_in, k, v, dout, lse, delta, dq, key_lo, key_hi, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        q, k_in, v_in, dout, lse, delta, dq, key_lo, key_hi, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         n_q, n_k, n_heads, group, scale, scale * LOG2_E, **flags, **config)
     return dq, dk, dv
 

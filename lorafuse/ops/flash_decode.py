@@ -28,7 +28,7 @@ def fits_decode(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k", "n_kv_heads", "group", "chunk"])
-def _decode_chunk_kernel(Q, K, V, V_RAW, PART_O, PART_LSE, KEY_LO, KEY_HI,
+def _decode_chunk_kernel(Q, K, V, PART_O, PART_LSE, KEY_LO, KEY_HI,
                          sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                          n_q, n_k, n_kv_heads, group, chunk, n_chunks, qk_scale,
                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -61,7 +61,6 @@ def _decode_chunk_kernel(Q, K, V, V_RAW, PART_O, PART_LSE, KEY_LO, KEY_HI,
     if not TMA:
         K += b.to(tl.int64) * skb + hk * skh
         V += b.to(tl.int64) * svb + hk * svh
-    V_RAW += b.to(tl.int64) * svb + hk * svh  # V's pointer always: masked tiles of windows load through it
 
     diag = n_k - n_q
     lo, f1, f2, hi = key_range(klo, khi, 0, n_q - 1, diag, CAUSAL, BLOCK_N)
@@ -76,12 +75,12 @@ def _decode_chunk_kernel(Q, K, V, V_RAW, PART_O, PART_LSE, KEY_LO, KEY_HI,
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_TILE], tl.float32)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, V_RAW, b, hk, skn, svn, qi, offs_d, klo, khi, lo, f1,
-                               n_k, diag, qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, V_RAW, b, hk, skn, svn, qi, offs_d, klo, khi, f1, f2,
-                               n_k, diag, qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, V_RAW, b, hk, skn, svn, qi, offs_d, klo, khi, f2, hi,
-                               n_k, diag, qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, qi, offs_d, klo, khi, lo, f1, n_k, diag,
+                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, qi, offs_d, klo, khi, f1, f2, n_k, diag,
+                               qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, qi, offs_d, klo, khi, f2, hi, n_k, diag,
+                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
 
     empty = l_i == 0.0  # no key of this chunk: weight zero in the merge
     part_row = ((b * n_heads + head) * n_q + qi).to(tl.int64) * n_chunks + split
@@ -132,7 +131,7 @@ def flash_decode(q, k, v, causal, scale, windows, use_tma):
     if use_tma:
         k_in, v_in = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_N, d_tile]) for t in (k, v))
     _decode_chunk_kernel[(n_chunks, b * n_kv_heads)](
-        q, k_in, v_in, v, part_o, part_lse, key_lo, key_hi,
+        q, k_in, v_in, part_o, part_lse, key_lo, key_hi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), n_q, n_k, n_kv_heads, group, chunk, n_chunks, scale * LOG2_E,
         CAUSAL=causal, WINDOWED=windows is not None, HEAD_DIM=d, D_TILE=d_tile,
