@@ -226,11 +226,13 @@ def _padding_windows(keep: torch.Tensor, n_q: int):
     return windows_from_padding_mask(keep, n_q), None
 
 
-def _packed_windows(position_ids: torch.Tensor) -> AttentionWindows:
-    """Windows of packed sequences (position ids [B, N] that restart inside a row); rows of one sequence get plain
-    causal windows. Built on the device whether or not the ids restart: asking would stall the host until the GPU
-    has drained its queue, once per forward (about 40 ms of a 215 ms Llama-1B training step on an H200)."""
-    return windows_from_position_ids(position_ids)
+def _packed_windows(position_ids: torch.Tensor, b: int) -> AttentionWindows:
+    """Windows of packed sequences (position ids that restart inside a row); rows of one sequence get plain causal
+    windows. Built on the device whether or not the ids restart: asking would stall the host until the GPU has
+    drained its queue, once per forward (about 40 ms of a 215 ms Llama-1B training step on an H200). Without
+    padding they are UnpaddedWindows, which cost the kernels next to nothing over none."""
+    pos = position_ids if position_ids.shape[0] == b else position_ids.expand(b, -1)
+    return windows_from_position_ids(pos)
 
 
 def _cu_seqlens_windows(cu_q: torch.Tensor, cu_k, n: int, device) -> AttentionWindows | None:
@@ -263,12 +265,9 @@ def _plan(query, key, attention_mask, causal: bool, sliding_window, kwargs) -> _
             if isinstance(cu_q, torch.Tensor) and b == 1:
                 plan.windows = _memo.get(cu_q, ("cu", n_q),
                                          lambda: _cu_seqlens_windows(cu_q, cu_k, n_q, query.device))
-            # Position ids that one row shares with a batch of several ([1, N]: transformers makes them so when
-            # none are passed) are one sequence per row; packing collators give each row its own ([B, N], or a
-            # single packed row). Windows cost the kernels 25-40 % (measured on an H200), so plain rows skip them.
             if (plan.windows is None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
-                    and position_ids.shape[1] == n_q and position_ids.shape[0] == b):
-                plan.windows = _memo.get(position_ids, ("packed", b), lambda: _packed_windows(position_ids))
+                    and position_ids.shape[1] == n_q and position_ids.shape[0] in (1, b)):
+                plan.windows = _memo.get(position_ids, ("packed", b), lambda: _packed_windows(position_ids, b))
     elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() not in (2, 4):
         return _Plan(n_k, False, reason=f"an attention mask of type {type(attention_mask).__name__} (not None, "
                      "2-D or 4-D)", dense_mask=attention_mask)

