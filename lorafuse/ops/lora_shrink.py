@@ -86,9 +86,13 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
              mask=(ranks[:, None] < rank) & col_ok[None, :])
 
 
-def _shrink_config(M):
+def _shrink_config(M, fp32):
     # (BLOCK_M, BLOCK_K, num_warps, num_stages): enough programs in flight to stream x.
-    # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16.
+    # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16. With fp32 adapter math
+    # (three tf32 products per tile) wider tiles win at training sizes: x of 8192 x 8192 with dropout 178 -> 143 us,
+    # 8192 x 2048 50 -> 44 us (Llama-1B shapes, H200); they lose with 16-bit adapter math (20 -> 29 us).
+    if fp32 and M >= 4096:
+        return (128, 128, 8, 3)
     return (32, 128, 4, 4) if M > 16 else (16, 128, 4, 3)
 
 
@@ -97,13 +101,13 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     config: (BLOCK_M, BLOCK_K, num_warps, num_stages) overrides the default (benchmarks)."""
     M, K = x.shape
     r = A.shape[0]
-    block_m, block_k, warps, stages = config or _shrink_config(M)
+    fp32 = lora_in_fp32(x.dtype, A.dtype)
+    block_m, block_k, warps, stages = config or _shrink_config(M, fp32)
     # Few row blocks (decode) would leave one program walking all of K: split K instead.
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, sm_count(x.device) // row_blocks)
     s = torch.empty(splits, M, r, device=x.device, dtype=torch.float32)
     threshold, drop_scale = dropout_args(dropout_p)
-    fp32 = lora_in_fp32(x.dtype, A.dtype)
     _shrink_fwd[(row_blocks, splits)](
         x, A.contiguous(), s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,
         HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k,

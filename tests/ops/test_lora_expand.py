@@ -155,7 +155,9 @@ def test_float32_adapter_with_half_base(activation):
     assert_all_close({"base": g, "s": ds, "B": dB, "bias": dbias}, exact, dtype, plain)
 
 
-@pytest.mark.parametrize("config", [(16, 32, 4, 1, 8), (64, 128, 4, 1, 1), (16, 64, 4, 1, 264)])
+# the last two: what training sizes get with fp32 adapter math (narrow and wide dy)
+@pytest.mark.parametrize("config", [(16, 32, 4, 1, 8), (64, 128, 4, 1, 1), (16, 64, 4, 1, 264), (32, 128, 4, 3, 528),
+                                    (128, 64, 4, 3, 528)])
 def test_backward_tiling(config):
     # Other tiles and column splits (several partial ds sums, or one): same gradients.
     m, n, r = 300, 600, 8
