@@ -2,12 +2,11 @@
 
 A module is taken only when its forward is transformers' own code for it - LlamaRMSNorm's, or LlamaMLP's with a SiLU
 activation (Mistral, Qwen2 and Qwen3 share both) - compared as bytecode, names and constants, so a model whose norm
-or MLP computes anything else keeps it. Its instance then gets a `forward` attribute that computes the same on the
-kernels, forward and backward; deleting that attribute gives transformers' forward back. Modules that already have
-an instance forward (accelerate's hooks set one) are left alone.
+or MLP computes anything else keeps it. Its instance then gets a `forward` attribute (a KernelForward) that computes
+the same on the kernels, forward and backward; deleting that attribute gives transformers' forward back. Modules that
+already have an instance forward (accelerate's hooks set one) are left alone.
 """
 import contextlib
-import types
 
 import torch
 from torch import nn
@@ -37,7 +36,15 @@ def _swiglu_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
 
 
-_OURS = (_rms_norm_forward, _swiglu_mlp_forward)
+class KernelForward:
+    """`fn(module, ...)` as a module's instance forward. Unlike a bound method, it pickles (torch.save of a whole
+    model; a bound method would pickle as a lookup of its name on the module, which fails on load)."""
+
+    def __init__(self, module: nn.Module, fn):
+        self.module, self.fn = module, fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
 
 
 def llama_rms_norms(model: nn.Module) -> list[nn.Module]:
@@ -56,17 +63,16 @@ def use_model_kernels(model: nn.Module) -> int:
     """Give every Llama-style RMSNorm and SwiGLU MLP of `model` lorafuse's kernels; returns how many modules."""
     norms, mlps = llama_rms_norms(model), swiglu_mlps(model)
     for module in norms:
-        module.forward = types.MethodType(_rms_norm_forward, module)
+        module.forward = KernelForward(module, _rms_norm_forward)
     for module in mlps:
-        module.forward = types.MethodType(_swiglu_mlp_forward, module)
+        module.forward = KernelForward(module, _swiglu_mlp_forward)
     return len(norms) + len(mlps)
 
 
 def drop_model_kernels(model: nn.Module) -> None:
     """Give the modules that use_model_kernels changed transformers' forward back."""
     for module in model.modules():
-        forward = vars(module).get("forward")
-        if getattr(forward, "__func__", None) in _OURS:
+        if isinstance(vars(module).get("forward"), KernelForward):
             del module.forward
 
 
@@ -75,7 +81,7 @@ def rms_norms_on_kernel(norms: list[nn.Module]):
     """Within: each of `norms` (from llama_rms_norms) runs lorafuse.ops.rms_norm. Given transformers' forward back
     on exit: captured decoding uses the kernel in its own forwards only, on models that did not ask for it."""
     for module in norms:
-        module.forward = types.MethodType(_rms_norm_forward, module)
+        module.forward = KernelForward(module, _rms_norm_forward)
     try:
         yield
     finally:

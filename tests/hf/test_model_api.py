@@ -44,6 +44,19 @@ def test_get_peft_model_fuses_layers_attention_and_model_kernels_and_unfuse_rest
                                                                                         "sdpa", {})
 
 
+def test_fused_model_pickles_whole(tmp_path):
+    # torch.save / torch.load of the whole model (not only its state): the kernels' forwards come back with it
+    model = lorafuse.get_peft_model(tiny_model("llama"), lora_config("llama"))
+    ids = batch("llama")["input_ids"]
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert on_model_kernels(loaded) == {"LlamaRMSNorm": 5, "LlamaMLP": 2}
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    copied = copy.deepcopy(model)
+    assert all(vars(m)["forward"].module is m for m in copied.modules() if "forward" in vars(m))
+
+
 def test_from_pretrained_passes_peft_arguments(tmp_path):
     peft.get_peft_model(tiny_model("llama"), lora_config("llama")).save_pretrained(tmp_path)
     model = lorafuse.from_pretrained(tiny_model("llama"), tmp_path, adapter_name="mine", is_trainable=True)
