@@ -6,9 +6,10 @@ each row's softmax denominator, so P = exp2(q k^T * qk_scale - lse).
 Every program walks its tiles in three ranges: masked tiles where the first rows' windows
 begin, unmasked tiles that every row sees whole, masked tiles at the causal diagonal, the
 windows' ends and the sequence's end. Only masked tiles pay for the mask; only they can hold
-padding, whose K, V, Q or dO may be NaN, so they zero what no allowed score reaches - when the windows
-may hold padding at all (PADDED): those selects on loaded tiles slow every loop of a kernel by 25-45 %
-(measured on an H200), so windows without padding (packed sequences) skip them.
+padding, whose K, V, Q or dO may be NaN. flash_attention zeroes those rows once per call before its kernels
+run (a select on loaded tiles slows every loop of a kernel by 25-45 %, measured on an H200); flash_decode,
+which would copy its whole key cache each step, zeroes what no allowed score reaches inside the tiles
+(fwd_tiles with PADDED).
 """
 import triton
 import triton.language as tl
@@ -86,7 +87,7 @@ def load_rows(X, b, h, offs, start, stride, n, offs_d, HEAD_DIM: tl.constexpr, B
 def fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, PADDED: tl.constexpr, HEAD_DIM: tl.constexpr,
                D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
-    # PADDED: windows may leave keys unseen (padding), whose V rows may hold NaN
+    # PADDED: windows may leave keys unseen (padding) whose V rows were not zeroed and may hold NaN
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_rows(K, b, hk, offs_n, start_n, skn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)

@@ -107,6 +107,9 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
         return FlashAttention.apply(q, k, v, causal, scale, windows)
     if fits_decode(q, k):
         return flash_decode(q, k, v, causal, scale, windows, _use_tma(k, v))
+    padding = _padding_rows(windows)
+    if padding is not None:
+        v = _rows_zeroed(v, padding[1])
     return _flash_forward(q, k, v, causal, scale, windows, store_lse=False)[0]
 
 
@@ -118,7 +121,7 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
 def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                      n_q, n_k, n_heads, group, qk_scale,
-                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PADDED: tl.constexpr, STORE_LSE: tl.constexpr,
+                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, STORE_LSE: tl.constexpr,
                      HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (query tiles, B * Hq); q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (TMA descriptors when TMA)
@@ -138,19 +141,17 @@ def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
 
     diag = n_k - n_q
     klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-    if PADDED:
-        q = tl.where((klo < khi)[:, None], q, 0.0)  # padded queries may hold NaN
     lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, diag, CAUSAL, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
-                               qk_scale, True, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, True, CAUSAL, False, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
-                               qk_scale, False, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, False, CAUSAL, False, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
-                               qk_scale, True, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, True, CAUSAL, False, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
 
     empty = l_i == 0.0  # no key at all: output zeros, and lse = inf makes every P zero
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -181,8 +182,8 @@ def _attn_bwd_delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, n_q, n_
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm, offs_n, offs_d, start, stop,
                 n_q, n_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                PADDED: tl.constexpr, HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
-                PRECISION: tl.constexpr, TMA: tl.constexpr):
+                HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+                TMA: tl.constexpr):
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_rows(Q, b, h, offs_m, start_m, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
@@ -195,10 +196,6 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm,
             klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
             ok = tl.trans(allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL))
             pt = tl.where(ok, pt, 0.0)
-            if PADDED:  # padded queries may hold NaN
-                real = (klo < khi)[:, None]
-                q = tl.where(real, q, 0.0)
-                do = tl.where(real, do, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
@@ -211,8 +208,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
                           sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm,
                           sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
                           n_q, n_k, n_kv_heads, group, scale, qk_scale,
-                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PADDED: tl.constexpr,
-                          HEAD_DIM: tl.constexpr,
+                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
                           D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (key tiles, B * Hkv); each program sums over the query tiles of all `group` query
@@ -233,10 +229,6 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
     if WINDOWED:
         qlo = tl.load(QUERY_LO + b * n_k + offs_n, mask=offs_n < n_k, other=n_q)
         qhi = tl.load(QUERY_HI + b * n_k + offs_n, mask=offs_n < n_k, other=0)
-        if PADDED:
-            real = (qlo < qhi)[:, None]  # keys nobody sees may hold NaN
-            k = tl.where(real, k, 0.0)
-            v = tl.where(real, v, 0.0)
     else:
         qlo = tl.where(offs_n < n_k, 0, n_q)
         qhi = tl.where(offs_n < n_k, n_q, 0)
@@ -262,13 +254,13 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
         row = (b * n_kv_heads * group + h).to(tl.int64) * n_q
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
                              offs_n, offs_d, lo, f1, n_q, n_k, diag, qk_scale,
-                             True, CAUSAL, WINDOWED, PADDED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+                             True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
                              offs_n, offs_d, f1, f2, n_q, n_k, diag, qk_scale,
-                             False, CAUSAL, WINDOWED, PADDED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+                             False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, LSE + row, DELTA + row, KEY_LO, KEY_HI, b, h, sqm, sdm,
                              offs_n, offs_d, f2, hi, n_q, n_k, diag, qk_scale,
-                             True, CAUSAL, WINDOWED, PADDED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
+                             True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_M, PRECISION, TMA)
     # s = scale * q k^T: dK carries the scale, dV does not
     tl.store(DK + b.to(tl.int64) * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -278,7 +270,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag,
-              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PADDED: tl.constexpr, HEAD_DIM: tl.constexpr,
+              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
               D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -289,10 +281,6 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo,
         if MASKED:
             ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
             p = tl.where(ok, p, 0.0)
-            if PADDED:  # keys no row here sees may hold NaN
-                seen = tl.max(ok.to(tl.int32), 0)[:, None] > 0
-                k = tl.where(seen, k, 0.0)
-                v = tl.where(seen, v, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -303,8 +291,7 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo,
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
                         sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
                         n_q, n_k, n_heads, group, scale, qk_scale,
-                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PADDED: tl.constexpr,
-                        HEAD_DIM: tl.constexpr,
+                        CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
                         D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (query tiles, B * Hq); K and V are TMA descriptors when TMA
@@ -327,19 +314,15 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
 
     diag = n_k - n_q
     klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-    if PADDED:  # padded queries may hold NaN
-        real = (klo < khi)[:, None]
-        q = tl.where(real, q, 0.0)
-        do = tl.where(real, do, 0.0)
     lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, diag, CAUSAL, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
-                   qk_scale, True, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, True, CAUSAL, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
-                   qk_scale, False, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, False, CAUSAL, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
-                   qk_scale, True, CAUSAL, PADDED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, True, CAUSAL, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     tl.store(DQ + b.to(tl.int64) * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -394,9 +377,22 @@ def _descriptor(t, rows, d_tile):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d_tile])
 
 
-def _padded(windows) -> bool:
-    # whether the windows may leave keys unseen or queries without keys: padding, whose rows may hold NaN
-    return windows is not None and not isinstance(windows, UnpaddedWindows)
+# Padding: queries that see no key and keys no query sees. Their rows of q, k, v and dO may hold NaN, which a zero
+# weight (0 * NaN) would carry into the kernels' sums. Those rows are zeroed in copies before the kernels run, only
+# where a kernel multiplies them: v for the forward (scores of masked keys are replaced, so q and k may stay); q, k
+# and dO for the backward. A pass over each copied tensor costs less than guarding inside the kernels: a select on
+# loaded tiles made every tile loop 25-45 % slower (H200).
+
+def _padding_rows(windows):
+    # -> (queries with keys [B, Nq], keys some query sees [B, Nk]) as bool, or None when the windows hold no padding
+    if windows is None or isinstance(windows, UnpaddedWindows):
+        return None
+    return windows.key_lo < windows.key_hi, windows.query_lo < windows.query_hi
+
+
+def _rows_zeroed(t, keep):
+    # t: [B, H, N, D], keep: [B, N] bool -> a copy of t with the rows not kept zeroed
+    return torch.where(keep[:, None, :, None], t, 0)
 
 
 def _window_args(windows, q):
@@ -428,8 +424,7 @@ def _flash_forward(q, k, v, causal, scale, windows, store_lse):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
-        CAUSAL=causal, WINDOWED=windows is not None, PADDED=_padded(windows), STORE_LSE=store_lse, HEAD_DIM=d,
-        D_TILE=d_tile,
+        CAUSAL=causal, WINDOWED=windows is not None, STORE_LSE=store_lse, HEAD_DIM=d, D_TILE=d_tile,
         PRECISION=dot_precision(q.dtype), TMA=tma, **config)
     return out, lse
 
@@ -455,8 +450,7 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     tma = _use_tma(q, k, v, dout)
-    flags = dict(CAUSAL=causal, WINDOWED=windowed, PADDED=_padded(windows), HEAD_DIM=d, D_TILE=d_tile,
-                 PRECISION=dot_precision(q.dtype),
+    flags = dict(CAUSAL=causal, WINDOWED=windowed, HEAD_DIM=d, D_TILE=d_tile, PRECISION=dot_precision(q.dtype),
                  TMA=tma)
     config = _tiles("dkdv", d_tile, q, causal)
     q_in, do_in = q, dout
@@ -479,6 +473,9 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, windows):
+        padding = _padding_rows(windows)
+        if padding is not None:
+            v = _rows_zeroed(v, padding[1])
         out, lse = _flash_forward(q, k, v, causal, scale, windows, store_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, *(windows or ()))
         ctx.causal, ctx.scale, ctx.windows_type = causal, scale, type(windows)
@@ -489,5 +486,8 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *windows = ctx.saved_tensors
         windows = ctx.windows_type(*windows) if windows else None
+        padding = _padding_rows(windows)
+        if padding is not None:
+            q, dout, k = _rows_zeroed(q, padding[0]), _rows_zeroed(dout, padding[0]), _rows_zeroed(k, padding[1])
         dq, dk, dv = _flash_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, windows)
         return dq, dk, dv, None, None, None
