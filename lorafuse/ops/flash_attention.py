@@ -107,9 +107,7 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
         return FlashAttention.apply(q, k, v, causal, scale, windows)
     if fits_decode(q, k):
         return flash_decode(q, k, v, causal, scale, windows, _use_tma(k, v))
-    padding = _padding_rows(windows)
-    if padding is not None:
-        v = _rows_zeroed(v, padding[1])
+    v = _unseen_keys_zeroed(v, windows)
     return _flash_forward(q, k, v, causal, scale, windows, store_lse=False)[0]
 
 
@@ -395,6 +393,12 @@ def _rows_zeroed(t, keep):
     return torch.where(keep[:, None, :, None], t, 0)
 
 
+def _unseen_keys_zeroed(v, windows):
+    # what the forward kernels need: v without the rows of keys no query sees (v itself when there are none)
+    padding = _padding_rows(windows)
+    return v if padding is None else _rows_zeroed(v, padding[1])
+
+
 def _window_args(windows, q):
     # the kernels read windows only when WINDOWED; any pointer stands in otherwise
     if windows is None:
@@ -473,9 +477,7 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, windows):
-        padding = _padding_rows(windows)
-        if padding is not None:
-            v = _rows_zeroed(v, padding[1])
+        v = _unseen_keys_zeroed(v, windows)
         out, lse = _flash_forward(q, k, v, causal, scale, windows, store_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, *(windows or ()))
         ctx.causal, ctx.scale, ctx.windows_type = causal, scale, type(windows)
