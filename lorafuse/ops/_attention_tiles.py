@@ -63,9 +63,15 @@ def key_range(klo, khi, first_row, last_row, diag, CAUSAL: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL: tl.constexpr):
-    # [BLOCK_M, BLOCK_N]: the window test also drops rows past n_q and keys past n_k
-    ok = (offs_n[None, :] >= klo[:, None]) & (offs_n[None, :] < khi[:, None])
+def allowed_tile(offs_m, offs_n, klo, khi, n_k, diag, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr):
+    # [BLOCK_M, BLOCK_N] (or [1, BLOCK_N]). PER_ROW: each row's window [klo, khi), which also drops rows past n_q
+    # and keys past n_k; else every row sees keys 0..n_k-1 (no windows): one test per key, rows past n_q compute
+    # on zeros and are never stored. Both are right without windows; which is faster depends on the kernel
+    # (H200, triton 3.6: the forward is 4 % faster per row, the backward 6 % faster per key, non-causal).
+    if PER_ROW:
+        ok = (offs_n[None, :] >= klo[:, None]) & (offs_n[None, :] < khi[:, None])
+    else:
+        ok = (offs_n < n_k)[None, :]
     if CAUSAL:
         ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
     return ok
@@ -94,7 +100,7 @@ def fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi,
         v = load_rows(V, b, hk, offs_n, start_n, svn, n_k, offs_d, HEAD_DIM, BLOCK_N, D_TILE, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
-            ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
+            ok = allowed_tile(offs_m, offs_n, klo, khi, n_k, diag, CAUSAL, True)
             s = tl.where(ok, qk * qk_scale, -float("inf"))
             if PADDED:  # keys no row here sees may hold NaN
                 v = tl.where(tl.max(ok.to(tl.int32), 0)[:, None] > 0, v, 0.0)

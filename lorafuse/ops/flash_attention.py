@@ -8,8 +8,9 @@ is aligned to the end, as for a decode step or a chunk of prefill against a cach
 sequences, sliding windows. A query with no key to attend outputs zeros.
 
 Forward: online softmax over key tiles, the log-sum-exp kept per row. Backward: P recomputed
-from it; one kernel accumulates dK and dV per key tile over the query tiles of every query
-head sharing it (no atomics: deterministic), another accumulates dQ per query tile.
+from it; one kernel accumulates dQ per query tile (and stores each row's delta = rowsum(o * dO)
+on the way), then another accumulates dK and dV per key tile over the query tiles of every
+query head sharing it (no atomics: deterministic).
 Everything the kernels do not cover runs through torch's scaled_dot_product_attention, with
 the reason logged once.
 """
@@ -160,23 +161,6 @@ def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
         tl.store(LSE + bh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_heads"])  # one compile for all lengths
-def _attn_bwd_delta_kernel(OUT, DO, DELTA, sob, soh, som, sdb, sdh, sdm, n_q, n_heads,
-                           HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr):
-    # delta[b, h, i] = sum_d o * do: the row term of dS = P * (dP - delta)
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_TILE)
-    mask = (offs_m < n_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(OUT + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
-
-
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm, offs_n, offs_d, start, stop,
                 n_q, n_k, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
@@ -192,7 +176,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm,
         pt = tl.math.exp2(st - lse[None, :])
         if MASKED:
             klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-            ok = tl.trans(allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL))
+            ok = tl.trans(allowed_tile(offs_m, offs_n, klo, khi, n_k, diag, CAUSAL, WINDOWED))
             pt = tl.where(ok, pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -268,7 +252,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, start, stop, n_k, diag,
-              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
               D_TILE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -277,7 +261,7 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo,
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            ok = allowed_tile(offs_m, offs_n, klo, khi, diag, CAUSAL)
+            ok = allowed_tile(offs_m, offs_n, klo, khi, n_k, diag, CAUSAL, WINDOWED)
             p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -286,13 +270,14 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo,
 
 
 @triton.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group"])  # one compile for all lengths
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
-                        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, sdqb, sdqh, sdqm,
+def _attn_bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
+                        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdb, sdh, sdm, sdqb, sdqh, sdqm,
                         n_q, n_k, n_heads, group, scale, qk_scale,
                         CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
                         D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, TMA: tl.constexpr):
-    # grid: (query tiles, B * Hq); K and V are TMA descriptors when TMA
+    # grid: (query tiles, B * Hq); K and V are TMA descriptors when TMA. Runs before the dK/dV kernel: it also
+    # stores delta = rowsum(o * dO), the row term of dS = P * (dP - delta), which that kernel reads.
     pid_m = heavy_first(CAUSAL)
     bh = tl.program_id(1)
     b = bh // n_heads
@@ -303,8 +288,11 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
     q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=io_mask, other=0.0)
     do = tl.load(DO + b.to(tl.int64) * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=io_mask,
                  other=0.0)
+    o = tl.load(OUT + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], mask=io_mask,
+                other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
     lse = tl.load(LSE + bh.to(tl.int64) * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
-    delta = tl.load(DELTA + bh.to(tl.int64) * n_q + offs_m, mask=offs_m < n_q, other=0.0)
     hk = h // group
     if not TMA:
         K += b.to(tl.int64) * skb + hk * skh
@@ -316,11 +304,11 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
 
     dq = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
-                   qk_scale, True, CAUSAL, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
-                   qk_scale, False, CAUSAL, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
-                   qk_scale, True, CAUSAL, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                   qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     tl.store(DQ + b.to(tl.int64) * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -335,8 +323,8 @@ TILE_CONFIGS = {  # (kernel, head dim up to, causal): measured best on an H200 (
     ("fwd", 128, False): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     ("dkdv", 64, True): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
     ("dkdv", 64, False): dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
-    ("dkdv", 128, True): dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-    ("dkdv", 128, False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("dkdv", 128, True): dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    ("dkdv", 128, False): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
     ("dq", 64, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dq", 64, False): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dq", 128, True): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
@@ -444,18 +432,21 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     windowed = windows is not None
     key_lo, key_hi, query_lo, query_hi = _window_args(windows, q)
 
-    delta = torch.empty(b, n_heads, n_q, device=q.device, dtype=torch.float32)
-    block = 64 if q.device.type == "cuda" else INTERPRETER_TILES["BLOCK_M"]
-    _attn_bwd_delta_kernel[(triton.cdiv(n_q, block), b * n_heads)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), n_q, n_heads, HEAD_DIM=d, D_TILE=d_tile, BLOCK_M=block)
-
+    delta = torch.empty(b, n_heads, n_q, device=q.device, dtype=torch.float32)  # the dQ kernel fills it
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     tma = _use_tma(q, k, v, dout)
     flags = dict(CAUSAL=causal, WINDOWED=windowed, HEAD_DIM=d, D_TILE=d_tile, PRECISION=dot_precision(q.dtype),
                  TMA=tma)
+    config = _tiles("dq", d_tile, q, causal)
+    k_in, v_in = k, v
+    if tma:
+        k_in, v_in = _descriptor(k, config["BLOCK_N"], d_tile), _descriptor(v, config["BLOCK_N"], d_tile)
+    _attn_bwd_dq_kernel[(triton.cdiv(n_q, config["BLOCK_M"]), b * n_heads)](
+        q, k_in, v_in, out, dout, lse, delta, dq, key_lo, key_hi, *strides[:9], out.stride(0), out.stride(1),
+        out.stride(2), *strides[9:], dq.stride(0), dq.stride(1), dq.stride(2),
+        n_q, n_k, n_heads, group, scale, scale * LOG2_E, **flags, **config)
     config = _tiles("dkdv", d_tile, q, causal)
     q_in, do_in = q, dout
     if tma:
@@ -464,13 +455,6 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
         q_in, k, v, do_in, lse, delta, dk, dv, key_lo, key_hi, query_lo, query_hi, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         n_q, n_k, n_kv_heads, group, scale, scale * LOG2_E, **flags, **config)
-    config = _tiles("dq", d_tile, q, causal)
-    k_in, v_in = k, v
-    if tma:
-        k_in, v_in = _descriptor(k, config["BLOCK_N"], d_tile), _descriptor(v, config["BLOCK_N"], d_tile)
-    _attn_bwd_dq_kernel[(triton.cdiv(n_q, config["BLOCK_M"]), b * n_heads)](
-        q, k_in, v_in, dout, lse, delta, dq, key_lo, key_hi, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        n_q, n_k, n_heads, group, scale, scale * LOG2_E, **flags, **config)
     return dq, dk, dv
 
 
