@@ -2,7 +2,7 @@
 with the LoRA adapter merged and unmerged, beside the GPU's copy bandwidth (batch-1 decoding reads every weight per
 token).
 
-    python benchmarks/bench_decode.py [--quick] [--shapes 1B,8B] [--profile] [--out DIR]
+    python benchmarks/bench_decode.py [--quick] [--shapes 1B,8B] [--profile] [--hf-step] [--out DIR]
 
 Models: Llama shapes with random bf16 weights built from a config (no download), attn_implementation "sdpa" for
 transformers and "lorafuse" for lorafuse; a LoRA adapter r=16 on all linear layers with B drawn N(0, 0.02) so that
@@ -14,7 +14,10 @@ Providers:
   hf_static_compiled  the same with cache_implementation="static" (transformers compiles the decode step on the
                       first call; that call's time is the row's capture_s)
   lorafuse_merged     Engine(merge=True): the adapter folded into the weights, decode steps replayed from graphs
-  lorafuse_unmerged   Engine(merge=False): fused LoRA layers on the unmerged adapter, same graphs
+                      (the fused decode step, lorafuse.hf.fused_decode)
+  lorafuse_unmerged   Engine(merge=False): the unmerged adapter inside the fused step's kernels, same graphs
+  lorafuse_*_hf_step  (--hf-step) the same with Engine(fused_step=False): transformers' forward as the decode step,
+                      fused LoRA layers on the unmerged adapter (each on a model of its own: two more in memory)
   copy                a 2 GiB device-to-device copy (read + write bytes per second): the bandwidth yardstick
 
 Per decode step: (time of G new tokens - time of 1 new token) / (G - 1), so the prefill is left out; each the
@@ -119,7 +122,8 @@ def engine_provider(engine: Engine, prompts, new: int):
         engine.capture_seconds
 
 
-def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, tags: dict, bandwidth: float):
+def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, hf_step: bool, tags: dict,
+                bandwidth: float):
     rows, table = [], []
     base = base_model(shape)
     weight_bytes = sum(p.numel() * p.element_size() for p in base.parameters())  # tied embedding counted once
@@ -127,6 +131,10 @@ def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, ta
     merged = lora_model(shape)
     engines = {"lorafuse_merged": Engine(merged, max_length=PROMPT + new, merge=True),
                "lorafuse_unmerged": Engine(unmerged, max_length=PROMPT + new)}
+    if hf_step:
+        engines |= {"lorafuse_merged_hf_step": Engine(lora_model(shape), max_length=PROMPT + new, merge=True,
+                                                      fused_step=False),
+                    "lorafuse_unmerged_hf_step": Engine(lora_model(shape), max_length=PROMPT + new, fused_step=False)}
     for batch in batches:
         key = f"llama{shape}_B{batch}_P{PROMPT}_G{new}"
         prompts = torch.randint(3, 120000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).tolist()
@@ -151,7 +159,8 @@ def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, ta
         if profile and batch == batches[0]:
             for provider, engine in engines.items():
                 # eager steps run the graphs' kernels; 1-token prompts make the prefill one more decode-sized step
-                eager = Engine(engine.model, max_length=32, buckets=(batch,), cuda_graphs=False)
+                eager = Engine(engine.model, max_length=32, buckets=(batch,), cuda_graphs=False,
+                               fused_step=engine.fused_step_reason is None)
                 eager.generate([[5]] * batch, SamplingParams(max_new_tokens=16))
                 print_profile(f"{key} {provider}: 16 tokens from 1-token prompts (times per 16 tokens)",
                               lambda: eager.generate([[5]] * batch, SamplingParams(max_new_tokens=16)), steps=1,
@@ -167,6 +176,8 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--shapes", default="1B,8B", help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--profile", action="store_true", help="print the largest GPU kernels of decode steps")
+    parser.add_argument("--hf-step", action="store_true",
+                        help="also time the engine with transformers' forward as its decode step (fused_step=False)")
     parser.add_argument("--out", default=None, help="directory of decode.csv (default: benchmarks/results and $OUT)")
     args = parser.parse_args()
     shapes = ["1B"] if args.quick else args.shapes.split(",")
@@ -177,7 +188,8 @@ def main():
                  p80_ms="", metric="GBps", value=bandwidth, baseline="", ratio="")]
     table = []
     for shape in shapes:
-        shape_rows, shape_table = bench_shape(shape, batches, new, not args.quick, args.profile, tags, bandwidth)
+        shape_rows, shape_table = bench_shape(shape, batches, new, not args.quick, args.profile, args.hf_step, tags,
+                                              bandwidth)
         rows += shape_rows
         table += shape_table
     out_dirs = [args.out] if args.out else [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")] + (

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, StaticCache
 
 from .._logging import log_once
 from ..ops.attention_windows import windows_of_one_query
-from ..ops.lora_decode import stack_weights, stacked_weights
+from ..ops.lora_decode import shares_buffer, stack_weights
 from . import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -122,16 +122,13 @@ def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
     return model.merge_and_unload() if isinstance(model, PeftModel) else model
 
 
-def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with a PeftModel's LoRA weights cast in place to the dtype of its embeddings (PEFT keeps adapters of
-    a 16-bit model in float32: they are rounded, and that is logged once), and each LoRA Linear's active lora_A
-    stored right after its frozen weight, in one buffer: decoding then gets the base output and the shrink from one
-    GEMM (lorafuse.ops.lora_decode). Parameters and module names stay; weights stacked before keep their addresses
-    (a second call moves nothing); models without adapters are returned as they are."""
+def cast_adapters(model: torch.nn.Module) -> None:
+    """A PeftModel's LoRA weights cast in place to the dtype of its embeddings (PEFT keeps adapters of a 16-bit model
+    in float32: they are rounded, and that is logged once), so that decoding runs them in one GEMM with the frozen
+    weights. Models without adapters are left as they are."""
     if not isinstance(model, PeftModel):
-        return model
+        return
     dtype = causal_lm(model).get_input_embeddings().weight.dtype
-    adapter = model.active_adapter
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
@@ -141,11 +138,26 @@ def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
                      f"the model's {dtype} for decoding (Engine(stack_adapters=False) keeps them)")
         module.lora_A.to(dtype)
         module.lora_B.to(dtype)
+
+
+def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with a PeftModel's LoRA weights cast in place (cast_adapters), and each LoRA Linear's active lora_A
+    stored right after its frozen weight, in one buffer: decoding then gets the base output and the shrink from one
+    GEMM (lorafuse.ops.lora_decode). Parameters and module names stay; weights laid out before (by this, or for the
+    fused decode step) keep their addresses (a second call moves nothing); models without adapters are returned as
+    they are."""
+    if not isinstance(model, PeftModel):
+        return model
+    cast_adapters(model)
+    adapter = model.active_adapter
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
         base = module.get_base_layer()
         if adapter in module.lora_A and type(base) is torch.nn.Linear and not getattr(module, "fan_in_fan_out", False):
             lora_A = module.lora_A[adapter].weight
-            # Stacked already (another engine on this model): moving the weights would strand its captured graphs.
-            if stacked_weights(base.weight, lora_A) is None:
+            # Laid out already (another engine on this model): moving the weights would strand its captured graphs.
+            if not shares_buffer(base.weight):
                 base.weight.data, lora_A.data = stack_weights(base.weight, lora_A)
     return model
 

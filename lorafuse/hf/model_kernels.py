@@ -21,8 +21,12 @@ def _code_key(code) -> tuple:
     return code.co_code, code.co_names, code.co_consts
 
 
-def _runs_code_of(module: nn.Module, reference) -> bool:
-    if "forward" in vars(module):
+def _runs_code_of(module: nn.Module, reference, kernel_forward=None) -> bool:
+    # the class's forward is transformers' `reference` forward; an instance forward is allowed only when it is
+    # `kernel_forward` (set by use_model_kernels: the same computation on lorafuse's kernels)
+    own = vars(module).get("forward")
+    if own is not None and not (isinstance(own, KernelForward) and kernel_forward is not None
+                                and own.fn is kernel_forward):
         return False
     code = getattr(type(module).forward, "__code__", None)
     return code is not None and _code_key(code) == _code_key(reference.forward.__code__)
@@ -56,8 +60,23 @@ def llama_rms_norms(model: nn.Module) -> list[nn.Module]:
 def swiglu_mlps(model: nn.Module) -> list[nn.Module]:
     """The MLP modules of `model` that compute exactly as LlamaMLP with a SiLU activation, with transformers'
     forward."""
-    return [m for m in model.modules()
-            if _runs_code_of(m, LlamaMLP) and isinstance(getattr(m, "act_fn", None), (SiLUActivation, nn.SiLU))]
+    return [m for m in model.modules() if _is_swiglu_mlp(m)]
+
+
+def _is_swiglu_mlp(module: nn.Module, kernel_forward=None) -> bool:
+    return (_runs_code_of(module, LlamaMLP, kernel_forward)
+            and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)))
+
+
+def computes_as_llama_rms_norm(module: nn.Module) -> bool:
+    """Whether `module` computes exactly as LlamaRMSNorm: transformers' forward, or this file's kernel in its place."""
+    return _runs_code_of(module, LlamaRMSNorm, _rms_norm_forward)
+
+
+def computes_as_swiglu_mlp(module: nn.Module) -> bool:
+    """Whether `module` computes exactly as LlamaMLP with a SiLU activation: transformers' forward, or this file's
+    kernel in its place."""
+    return _is_swiglu_mlp(module, _swiglu_mlp_forward)
 
 
 def use_model_kernels(model: nn.Module) -> int:

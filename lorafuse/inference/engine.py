@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .._logging import log_once
-from ..hf import adapter_swap, decoding, model_kernels
+from ..hf import adapter_swap, decoding, fused_decode, model_kernels
 from .graphs import capture
 from .sampling import SamplingParams, sample
 from .stopping import StopChecker
@@ -54,12 +54,19 @@ class Engine:
     """Generates from `model` (a transformers causal LM, or a PeftModel with a LoRA adapter) with a static cache
     of `max_length` tokens per row (prompt and new tokens) for up to max(buckets) rows.
 
+    With `fused_step` (by default on CUDA) the decode step is lorafuse.hf.fused_decode's: ten launches per decoder
+    layer, the unmerged adapter inside them, the weights of each of a layer's GEMMs laid out in place in one buffer
+    (for good, as stack_adapters below). Models it does not cover (the reason logged once: `fused_step_reason`),
+    and fused_step=False, run the decode step as transformers' forward; the prefill always does. (On a CPU the
+    fused step runs only with TRITON_INTERPRET=1, slowly: it is for tests.)
+
     With `merge`, a PeftModel's adapter is folded into the weights first (in place, PEFT's merge_and_unload);
     otherwise it stays unmerged and `swap_adapter` replaces it in place. With `stack_adapters` (the default) the
     unmerged adapters are changed in place on the user's model, for good: cast to the model's dtype (PEFT keeps
     them in float32 for training; they are rounded, logged once; vLLM serves LoRA in the model's dtype too) and
     each lora_A stored right after its frozen weight (decoding.stack_adapters: one GEMM then gives both
-    products). Pass stack_adapters=False to keep the model's adapters as they are, at a slower decode step. The
+    products; the fused step stacks a layer's projections instead). Pass stack_adapters=False to keep the model's
+    adapters as they are, at a slower decode step (transformers' forward). The
     engine's own forwards run RMSNorm on one kernel; the model's other forwards are left alone. On CUDA (or with
     `cuda_graphs=True`) each bucket's decode step is captured at construction (`capture_seconds` says how long
     that took). Models other than Llama, Mistral, Qwen2 and Qwen3 run transformers' generate, the reason logged
@@ -68,7 +75,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_length: int = 1024,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, check_every: int = 8, merge: bool = False,
-                 stack_adapters: bool = True, cuda_graphs: bool | None = None):
+                 stack_adapters: bool = True, cuda_graphs: bool | None = None, fused_step: bool | None = None):
         if not buckets or any(b < 1 for b in buckets) or check_every < 1 or max_length < MIN_LENGTH:
             raise ValueError(f"Engine: buckets={tuple(buckets)} (positive sizes), check_every={check_every} (>= 1), "
                              f"max_length={max_length} (>= {MIN_LENGTH})")
@@ -83,11 +90,14 @@ class Engine:
             raise ValueError(f"Engine: cuda_graphs=True needs a model on a CUDA device, not {self.device}")
         self._generator = torch.Generator(self.device)
         self.capture_seconds = 0.0
+        self.fused_step_reason = self.fallback_reason
         if self.fallback_reason is not None:
             log_once(f"lorafuse.inference: {type(decoding.causal_lm(self.model)).__name__} runs transformers' "
                      f"generate, not captured decoding: {self.fallback_reason}")
             return
-        if stack_adapters and not merge:
+        self.fused_step_reason = self._fused_step_reason(fused_step, stack_adapters)
+        self._fused = fused_decode.FusedDecoder(self.model) if self.fused_step_reason is None else None
+        if self._fused is None and stack_adapters and not merge:
             decoding.stack_adapters(self.model)
         self._norms = model_kernels.llama_rms_norms(decoding.causal_lm(self.model))
         self._latest = None  # (rows, how many of them the latest batch used)
@@ -144,6 +154,17 @@ class Engine:
         """Replace the unmerged LoRA adapter by the one saved in the directory `adapter`, in place: the captured
         steps stay valid (see lorafuse.hf.adapter_swap for what must match)."""
         adapter_swap.swap_adapter(self.model, adapter)
+
+    def _fused_step_reason(self, fused_step: bool | None, stack_adapters: bool) -> str | None:
+        """Why the decode step runs transformers' forward, not the fused step (None: it runs fused); logged once when
+        the model is why, not when fused_step asks for it."""
+        if not (self.device.type == "cuda" if fused_step is None else fused_step):
+            return f"fused_step={fused_step} on {self.device}"
+        reason = fused_decode.unsupported_reason(self.model, stack_adapters)
+        if reason is not None:
+            log_once(f"lorafuse.inference: {type(decoding.causal_lm(self.model)).__name__}'s decode step runs "
+                     f"transformers' forward, not the fused step: {reason}")
+        return reason
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts or not all(prompts):
@@ -204,6 +225,9 @@ class Engine:
         """The model's half of a decode step: feeds each row its token, appends to the cache, leaves the logits in
         rows.logits. Reads and writes only `rows`' buffers and the cache."""
         rows.mask.index_fill_(1, rows.slot, True)  # the slot the fed token is written to becomes visible
+        if self._fused is not None:
+            self._fused(rows.ids, rows.pos, rows.slot, rows.mask, rows.cache, rows.logits)
+            return
         mask = decoding.decode_mask(self.model, rows.mask)
         with model_kernels.rms_norms_on_kernel(self._norms):
             logits = decoding.next_token_logits(self.model, rows.ids, mask, rows.pos, rows.cache,

@@ -30,26 +30,46 @@ def lora_decode_reference(x, weight, bias, lora_A, lora_B, scale, activation="id
     return activation_reference(z, activation).to(x.dtype)
 
 
+def stacked_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The [sum of rows, K] view over `tensors` when they lie one after another in one buffer, else None."""
+    # tensors: [N_i, K], one dtype
+    first, K = tensors[0], tensors[0].shape[1]
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.dtype != first.dtype or t.device != first.device or t.shape[1] != K or not t.is_contiguous():
+            return None
+        # One storage, each tensor's rows right after the previous one's: two allocations that merely touch do not
+        # count.
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), K), (K, 1))
+
+
+def stack_rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """New tensors holding the same values in `dtype`, stored one after another in one buffer (see stacked_rows)."""
+    # tensors: [N_i, K]
+    both = torch.cat([t.detach().to(dtype) for t in tensors])
+    return list(both.split([t.shape[0] for t in tensors]))
+
+
+def shares_buffer(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a view into a larger buffer: laid out for decoding by an engine (stack_rows), whose
+    captured steps hold the buffer's address, so it must not be moved again."""
+    return weight.untyped_storage().nbytes() > weight.numel() * weight.element_size()
+
+
 def stacked_weights(weight: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor | None:
     """[W; A] as one [N + r, K] view when lora_A's rows follow the frozen weight's in memory, else None."""
     # weight: [N, K], lora_A: [r, K]
-    N, K = weight.shape
-    if weight.dtype != lora_A.dtype or not (weight.is_contiguous() and lora_A.is_contiguous()):
-        return None
-    # One storage, lora_A's rows right after weight's: tensors of two allocations that merely touch do not count.
-    same_storage = (lora_A.device == weight.device
-                    and lora_A.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr())
-    if not same_storage or lora_A.storage_offset() != weight.storage_offset() + N * K:
-        return None
-    return weight.as_strided((N + lora_A.shape[0], K), (K, 1))
+    return stacked_rows([weight, lora_A])
 
 
 def stack_weights(weight: torch.Tensor, lora_A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """New (weight, lora_A) holding the same values, lora_A cast to weight's dtype and stored right after it in
     one buffer (see stacked_weights)."""
     # weight: [N, K], lora_A: [r, K]
-    both = torch.cat([weight.detach(), lora_A.detach().to(weight.dtype)])
-    return both[:weight.shape[0]], both[weight.shape[0]:]
+    return tuple(stack_rows([weight, lora_A], weight.dtype))
 
 
 @triton.jit

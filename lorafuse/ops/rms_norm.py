@@ -88,7 +88,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _warps(block: int) -> int:
+def row_warps(block: int) -> int:
+    """Warps of a program that holds one row of `block` columns (norms): a few columns per thread."""
     return min(16, max(1, block // 256))
 
 
@@ -99,7 +100,7 @@ def _forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, store_rstd: boo
     rstd = torch.empty(M, device=x2.device, dtype=torch.float32) if store_rstd else None
     block = triton.next_power_of_2(D)
     _rms_norm_fwd[(M,)](x2, weight, y, rstd if store_rstd else y, D, x2.stride(0), eps, BLOCK_D=block,
-                        STORE_RSTD=store_rstd, num_warps=_warps(block))
+                        STORE_RSTD=store_rstd, num_warps=row_warps(block))
     return y, rstd
 
 
@@ -111,7 +112,7 @@ def _backward(x2, weight, rstd, dy2, need_dw: bool):
     dw_partial = torch.empty(programs, D, device=x2.device, dtype=torch.float32) if need_dw else dx
     block = triton.next_power_of_2(D)
     _rms_norm_bwd[(programs,)](x2, weight, rstd, dy2, dx, dw_partial, M, D, x2.stride(0), dy2.stride(0),
-                               BLOCK_D=block, HAS_DW=need_dw, num_warps=_warps(block))
+                               BLOCK_D=block, HAS_DW=need_dw, num_warps=row_warps(block))
     return dx, dw_partial.sum(0).to(weight.dtype) if need_dw else None
 
 

@@ -1,0 +1,253 @@
+"""The fused decode step of captured decoding (lorafuse.inference.Engine): one token per row through a Llama, Mistral,
+Qwen2 or Qwen3 decoder stack in ten launches per layer, instead of transformers' ~300 small kernels per token.
+
+Per layer, with h the residual stream and x its normed copy (both updated in place):
+  1. one GEMM of x with [Wq; Wk; Wv; Aq; Ak; Av] (+ the stacked q/k/v bias): q, k, v and the adapters' shrinks;
+  2. ops.rope_cache_write: LoRA expand, Qwen3's q/k norms, rotary embedding, q to a buffer, k and v into the
+     StaticCache's layer tensors at the step's slot;
+  3. ops.flash_attention (its flash-decoding kernels, two launches) over the cache, on the step's windows;
+  4. one GEMM with [Wo; Ao], then ops.lora_add_rms_norm: h += o + LoRA, x = post-attention norm of h;
+  5. one GEMM with [Wg; Wu; Ag; Au], then ops.lora_silu_mul;
+  6. one GEMM with [Wd; Ad], then ops.lora_add_rms_norm with the next layer's input norm (the final norm after the
+     last layer), so that no layer starts with a norm of its own.
+Merged and unmerged adapters run the same launches: an unmerged adapter adds rank-r rows to the GEMMs and a few
+multiply-adds inside the kernels after them. Prefill stays on transformers' forward; both write the same cache.
+
+The weights of each GEMM are stored one after another in one buffer (`StackedLinear`), and the modules' parameters
+re-pointed to views of it, so that PEFT, swap_adapter (which copies into lora_A and lora_B in place) and the user's
+model keep seeing the same parameters. A layout made once is kept: a second engine on the same model moves nothing
+(the first one's captured graphs hold these addresses).
+"""
+import os
+
+import torch
+from peft import PeftModel
+from peft.tuners import lora
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer
+
+from ..ops.attention_windows import windows_of_one_query
+from ..ops.flash_attention import flash_attention
+from ..ops.lora_add_rms_norm import lora_add_rms_norm
+from ..ops.lora_decode import shares_buffer, stack_rows, stacked_rows
+from ..ops.lora_silu_mul import lora_silu_mul
+from ..ops.rms_norm import rms_norm
+from ..ops.rope_cache_write import rope_cache_write
+from .decoding import cast_adapters, causal_lm
+from .lora import FusedLoraLinear
+from .model_kernels import computes_as_llama_rms_norm, computes_as_swiglu_mlp
+
+DECODER_LAYERS = (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer)
+ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
+LORA_LINEARS = (lora.Linear, FusedLoraLinear)  # FusedLoraLinear changes PEFT's forward only
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+          ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))  # the projections of each GEMM
+
+
+def unsupported_reason(model: nn.Module, stack_adapters: bool = True) -> str | None:
+    """Why the fused step cannot run `model` (a model that captured decoding runs: decoding.unsupported_reason),
+    or None when it can. Without `stack_adapters` a PeftModel's adapters must stay as they are: it cannot."""
+    lm = causal_lm(model)
+    device, dtype = lm.device, lm.get_input_embeddings().weight.dtype
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"a model on {device} (its Triton kernels need CUDA, or TRITON_INTERPRET=1 on a CPU)"
+    if dtype not in DTYPES:
+        return f"a {dtype} model (the kernels take {', '.join(map(str, DTYPES))})"
+    if type(lm.get_input_embeddings()) is not nn.Embedding or type(lm.get_output_embeddings()) is not nn.Linear:
+        return (f"input embeddings {type(lm.get_input_embeddings()).__name__}, output embeddings "
+                f"{type(lm.get_output_embeddings()).__name__} (the fused step runs nn.Embedding and nn.Linear)")
+    if not computes_as_llama_rms_norm(lm.model.norm):
+        return f"a final norm {type(lm.model.norm).__name__} that does not compute as LlamaRMSNorm"
+    if isinstance(model, PeftModel) and not stack_adapters:
+        return "stack_adapters=False (the fused step stores the adapters with the frozen weights)"
+    if isinstance(model, PeftModel) and len(model.active_adapters) != 1:
+        return f"{len(model.active_adapters)} active adapters (the fused step runs one)"
+    for i, layer in enumerate(lm.model.layers):
+        reason = _layer_reason(layer, dtype)
+        if reason is not None:
+            return f"decoder layer {i}: {reason}"
+    head_dim = lm.model.layers[0].self_attn.head_dim
+    cos, _ = lm.model.rotary_emb(lm.get_input_embeddings().weight[:1], torch.zeros(1, 1, dtype=torch.long,
+                                                                                   device=device))
+    if cos.shape[-1] != head_dim:
+        return f"rotary embeddings of {cos.shape[-1]} dims on heads of {head_dim} (partial rotary)"
+    return None
+
+
+def _layer_reason(layer: nn.Module, dtype: torch.dtype) -> str | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(layer) not in DECODER_LAYERS or type(attn) not in ATTENTIONS:
+        return (f"{type(layer).__name__} with {type(attn).__name__} (the fused step computes "
+                f"{', '.join(cls.__name__ for cls in DECODER_LAYERS)} as transformers does)")
+    if _hooked(layer) or _hooked(attn):
+        return "a hooked decoder layer or attention (e.g. accelerate offload)"
+    if getattr(attn, "sliding_window", None) is not None:
+        return f"sliding-window attention ({attn.sliding_window})"
+    if not computes_as_swiglu_mlp(mlp):
+        return f"an MLP {type(mlp).__name__} that does not compute as LlamaMLP with SiLU"
+    norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(attn, name) for name in
+                                                                      ("q_norm", "k_norm") if hasattr(attn, name)]
+    if not all(map(computes_as_llama_rms_norm, norms)):
+        return "a norm that does not compute as LlamaRMSNorm"
+    for parent, names in GROUPS:
+        for name in names:
+            reason = _projection_reason(getattr(layer, parent).get_submodule(name), dtype)
+            if reason is not None:
+                return f"{name}: {reason}"
+        if _moved_by_another_layout([getattr(layer, parent).get_submodule(name) for name in names]):
+            return (f"{', '.join(names)} laid out by another engine (Engine(fused_step=False) stores each lora_A "
+                    "under its own weight): moving them would strand that engine's captured steps")
+    return None
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+
+
+def _projection_reason(module: nn.Module, dtype: torch.dtype) -> str | None:
+    """Why a q/k/v/o/gate/up/down projection cannot join a stacked GEMM, or None: an nn.Linear, or a plain LoRA
+    Linear on one (with an active adapter or none)."""
+    base = module.get_base_layer() if type(module) in LORA_LINEARS else module
+    if type(base) is not nn.Linear:
+        return f"a {type(module).__name__} (the fused step runs nn.Linear, with or without a LoRA Linear on it)"
+    if _hooked(module) or _hooked(base):
+        return "a hooked projection (e.g. accelerate offload)"
+    if base.weight.dtype != dtype:
+        return f"a {base.weight.dtype} weight in a {dtype} model"
+    if module is base:
+        return None
+    adapter = module.active_adapters[0]
+    if module.merged or module.disable_adapters:
+        return "adapters merged into the weights, or disabled, on an unmerged model"
+    if adapter not in module.lora_A:
+        return None  # no adapter on this projection
+    if adapter in module.lora_variant or module.use_dora.get(adapter):
+        return "a DoRA adapter (a LoRA variant)"
+    if module.fan_in_fan_out or module.lora_B[adapter].bias is not None:
+        return "fan_in_fan_out or lora_bias"
+    if type(module.lora_dropout[adapter]) not in (nn.Dropout, nn.Identity):
+        return f"a {type(module.lora_dropout[adapter]).__name__} lora_dropout (inference runs none)"
+    return None
+
+
+def _adapter(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter, float] | None:
+    """(lora_A, lora_B, scale) of a projection's active adapter, or None (see _projection_reason)."""
+    if type(module) not in LORA_LINEARS or module.active_adapters[0] not in module.lora_A:
+        return None
+    adapter = module.active_adapters[0]
+    return module.lora_A[adapter].weight, module.lora_B[adapter].weight, float(module.scaling[adapter])
+
+
+def _stacked_tensors(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """What one GEMM stacks, in order: the frozen weights, then the lora_A of the projections with an adapter."""
+    weights = [m.get_base_layer().weight if type(m) in LORA_LINEARS else m.weight for m in modules]
+    return weights + [adapter[0] for adapter in map(_adapter, modules) if adapter is not None]
+
+
+def _moved_by_another_layout(modules: list[nn.Module]) -> bool:
+    tensors = _stacked_tensors(modules)
+    return stacked_rows(tensors) is None and any(map(shares_buffer, tensors))
+
+
+class StackedLinear:
+    """The projections of one input (q/k/v, o, gate/up or down) as one GEMM over [W_1; ...; W_n; A_1; ...]: its
+    output row is [y_1 | ... | y_n | s_1 | ...], with s = x A^T for the projections that have an adapter. The kernel
+    after the GEMM adds scale * s B^T (`lora_B`, `scales`: per projection, None / 0 without an adapter)."""
+
+    def __init__(self, modules: list[nn.Module]):
+        tensors = _stacked_tensors(modules)
+        self.weight = stacked_rows(tensors)
+        if self.weight is None:  # laid out once, here; a second engine on the model finds it so
+            for param, view in zip(tensors, stack_rows(tensors, tensors[0].dtype)):
+                param.data = view
+            self.weight = stacked_rows(tensors)
+        adapters = [_adapter(m) for m in modules]
+        self.lora_B = tuple(None if a is None else a[1] for a in adapters)
+        self.scales = tuple(0.0 if a is None else a[2] for a in adapters)
+        self.bias = self._stacked_bias([m.get_base_layer() if type(m) in LORA_LINEARS else m for m in modules])
+
+    def _stacked_bias(self, bases: list[nn.Linear]) -> torch.Tensor | None:
+        # [b_1; ...; b_n; 0 for the shrinks], a copy: frozen biases never change at inference (swaps copy lora_A
+        # and lora_B only), and the GEMM's epilogue adds them (Qwen2's q/k/v, Llama with attention_bias)
+        if all(base.bias is None for base in bases):
+            return None
+        weight = self.weight
+        parts = [torch.zeros(b.out_features, dtype=weight.dtype, device=weight.device) if b.bias is None
+                 else b.bias.detach() for b in bases]
+        return torch.cat(parts + [weight.new_zeros(weight.shape[0] - sum(b.out_features for b in bases))])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, K] -> [B, sum N + sum r]
+        if self.bias is None:
+            return x @ self.weight.t()
+        return torch.addmm(self.bias, x, self.weight.t())
+
+
+class FusedLayer:
+    """One decoder layer's part of the fused step."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = StackedLinear([attn.o_proj])
+        self.gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj])
+        self.down = StackedLinear([mlp.down_proj])
+        self.input_norm, self.post_attention_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3's
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.n_heads = attn.q_proj.out_features // attn.head_dim
+        self.intermediate = mlp.gate_proj.out_features
+
+    def __call__(self, hidden, normed, cos, sin, slot, windows, cache_layer, next_norm: nn.Module) -> None:
+        # hidden, normed: [B, H], the residual stream and its input-normed copy, both updated in place (normed by
+        # next_norm on exit); cos, sin: [B, D]; slot: int64 [1]; cache_layer: its keys, values [B, Hkv, L, D]
+        batch = hidden.shape[0]
+        q = torch.empty(batch, self.n_heads, 1, self.head_dim, dtype=hidden.dtype, device=hidden.device)
+        qk_norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
+                                                                   self.q_norm.variance_epsilon)
+        rope_cache_write(self.qkv(normed), self.qkv.lora_B, self.qkv.scales, cos, sin, *qk_norms, slot, q,
+                         cache_layer.keys, cache_layer.values)
+        attended = flash_attention(q, cache_layer.keys, cache_layer.values, causal=False, scale=self.scaling,
+                                   windows=windows)  # [B, Hq, 1, D]
+        _add_and_norm(self.o, self.o(attended.transpose(1, 2).reshape(batch, -1)), hidden, self.post_attention_norm,
+                      normed)
+        activated = torch.empty(batch, self.intermediate, dtype=hidden.dtype, device=hidden.device)
+        lora_silu_mul(self.gate_up(normed), self.gate_up.lora_B, self.gate_up.scales, activated)
+        _add_and_norm(self.down, self.down(activated), hidden, next_norm, normed)
+
+
+def _add_and_norm(linear: StackedLinear, proj, hidden, norm: nn.Module, normed) -> None:
+    lora_add_rms_norm(proj, linear.lora_B[0], linear.scales[0], hidden, norm.weight, norm.variance_epsilon, normed)
+
+
+class FusedDecoder:
+    """The fused decode step of `model` (unsupported_reason(model) must be None). Building it casts a PeftModel's
+    adapters to the model's dtype and lays out its weights for the stacked GEMMs (in place, kept: see the top)."""
+
+    def __init__(self, model: nn.Module):
+        cast_adapters(model)
+        lm = causal_lm(model)
+        self.embed, self.lm_head = lm.get_input_embeddings(), lm.get_output_embeddings()
+        self.rotary, self.final_norm = lm.model.rotary_emb, lm.model.norm
+        self.layers = [FusedLayer(layer) for layer in lm.model.layers]
+
+    @torch.no_grad()
+    def __call__(self, ids, positions, slot, keep, cache, logits) -> None:
+        """Feeds each row its token: appends its keys and values to `cache` at `slot` and leaves the logits of its
+        next token in `logits`. Reads nothing on the host (capturable). The cache layers' own write counters
+        (cumulative_length) are not advanced: the engine's slot says where to write, and its prefill resets them."""
+        # ids, positions: int64 [B, 1]; slot: int64 [1]; keep: bool [B, L], the cache slots each row attends to (the
+        # slot included); cache: a StaticCache of B rows; logits: float32 [B, V]
+        windows = windows_of_one_query(keep)
+        hidden = self.embed(ids[:, 0])  # [B, H]
+        cos, sin = self.rotary(hidden, positions)  # [B, 1, D]: the model's own rope, whatever its scaling
+        first = self.layers[0].input_norm
+        normed = rms_norm(hidden, first.weight, first.variance_epsilon)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        for layer, cache_layer, next_norm in zip(self.layers, cache.layers, next_norms):
+            layer(hidden, normed, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm)
+        logits.copy_(self.lm_head(normed))

@@ -1,0 +1,111 @@
+"""The fused decode step (lorafuse.hf.fused_decode) in lorafuse.inference.Engine on CPU (Triton's interpreter): its
+greedy tokens and last logits are those of the engine stepping through transformers' forward, for Llama, Mistral,
+Qwen2 and Qwen3, merged and unmerged, after swap_adapter; the weights it lays out stay where they are for later
+engines; models it does not cover step through transformers' forward and say why once."""
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from lorafuse.inference import Engine, SamplingParams
+from lorafuse.ops.lora_decode import stacked_rows
+from tests.hf.families import VOCAB, lora_config, tiny_model
+from tests.inference.helpers import hf_greedy, prompts
+
+NEW = 5
+PROMPTS = prompts(3, vocab=VOCAB)  # bucket 4: one dummy row
+CASES = {  # id: (family, config overrides, LoRA overrides or None for no adapter)
+    "llama": ("llama", {}, {}),
+    "mistral": ("mistral", {"sliding_window": None}, {}),
+    "qwen2": ("qwen2", {}, {}),  # q/k/v biases
+    "qwen3": ("qwen3", {}, {}),  # per-head q/k norms
+    # biases on o_proj and the MLP; adapters on some projections only, of ranks 1 and 16
+    "llama-biases-some-adapters": ("llama", {"attention_bias": True, "mlp_bias": True},
+                                   {"target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"], "r": 16,
+                                    "rank_pattern": {"v_proj": 1}}),
+    "qwen3-no-adapter": ("qwen3", {}, None),
+}
+
+
+def engines(model, **kwargs) -> tuple[Engine, Engine]:
+    """A fused-step engine on `model`, then one stepping through transformers' forward on the same model (built
+    second: the first lays the weights out, the second leaves them)."""
+    fused = Engine(model, max_length=16, buckets=(4,), check_every=2, fused_step=True, **kwargs)
+    assert fused.fused_step_reason is None
+    return fused, Engine(fused.model, max_length=16, buckets=(4,), check_every=2, fused_step=False)
+
+
+def assert_same_generation(fused: Engine, stepped: Engine) -> list[list[int]]:
+    tokens = fused.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    assert tokens == stepped.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    torch.testing.assert_close(fused.last_logits(), stepped.last_logits(), rtol=1e-5, atol=1e-5)
+    return tokens
+
+
+@pytest.mark.parametrize("case, merge", [pytest.param(case, merge, id=f"{case}-{'merged' if merge else 'unmerged'}")
+                                         for case, (_, _, lora) in CASES.items() for merge in (False, True)
+                                         if lora is not None or not merge])
+def test_fused_step_equals_transformers_step(case, merge):
+    family, overrides, lora = CASES[case]
+    model = tiny_model(family, **overrides).eval()
+    if lora is not None:
+        model = get_peft_model(model, lora_config(family, **lora)).eval()
+    fused, stepped = engines(model, merge=merge)
+    assert_same_generation(fused, stepped)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Two Llama adapters on all linear layers, saved: rank 4, and rank 2 with another alpha."""
+    root = tmp_path_factory.mktemp("adapters")
+    for name, rank, alpha, seed in (("A", 4, 8, 1), ("B", 2, 5, 2)):
+        torch.manual_seed(seed)
+        get_peft_model(tiny_model("llama"), lora_config("llama", r=rank, lora_alpha=alpha)).save_pretrained(root / name)
+    return root
+
+
+def test_swap_reaches_the_fused_step_and_nothing_moves(adapters, fallback_log):
+    model = PeftModel.from_pretrained(tiny_model("llama"), adapters / "A").eval()
+    fused, stepped = engines(model)
+    attention = model.base_model.model.model.layers[0].self_attn
+    qkv = [attention.get_submodule(name) for name in ("q_proj", "k_proj", "v_proj")]
+    assert stacked_rows([m.base_layer.weight for m in qkv] + [m.lora_A["default"].weight for m in qkv]) is not None
+    addresses = [param.data_ptr() for param in model.parameters()]
+    with_A = assert_same_generation(fused, stepped)
+    fused.swap_adapter(adapters / "B")
+    with_B = assert_same_generation(fused, stepped)
+    assert with_B != with_A
+    reference = PeftModel.from_pretrained(tiny_model("llama"), adapters / "B").eval()
+    assert with_B == hf_greedy(reference, PROMPTS, NEW)
+    # Another fused engine finds the layout made: the first one's captured steps hold these addresses.
+    Engine(model, max_length=16, buckets=(1,), fused_step=True)
+    assert [param.data_ptr() for param in model.parameters()] == addresses
+    assert not fallback_log.records
+
+
+def test_weights_laid_out_by_the_transformers_step_are_not_moved(adapters, fallback_log):
+    model = PeftModel.from_pretrained(tiny_model("llama"), adapters / "A").eval()
+    Engine(model, max_length=16, buckets=(1,), fused_step=False)  # stacks each lora_A under its own weight
+    addresses = [param.data_ptr() for param in model.parameters()]
+    for _ in range(2):
+        engine = Engine(model, max_length=16, buckets=(1,), fused_step=True)
+        assert "laid out by another engine" in engine.fused_step_reason
+    assert [param.data_ptr() for param in model.parameters()] == addresses
+    said = [r.getMessage() for r in fallback_log.records if "not the fused step" in r.getMessage()]
+    assert len(said) == 1 and "q_proj, k_proj, v_proj laid out by another engine" in said[0]
+
+
+@pytest.mark.parametrize("overrides, lora, reason", [
+    ({"hidden_act": "gelu"}, None, "decoder layer 0: an MLP LlamaMLP that does not compute as LlamaMLP with SiLU"),
+    ({}, {"use_dora": True}, "decoder layer 0: q_proj: a DoRA adapter"),
+])
+def test_models_it_does_not_cover_step_through_transformers(fallback_log, overrides, lora, reason):
+    model = tiny_model("llama", **overrides).eval()
+    if lora is not None:
+        model = get_peft_model(model, lora_config("llama", **lora)).eval()
+    reference = hf_greedy(model, PROMPTS, 3)
+    engine = Engine(model, max_length=16, buckets=(4,), fused_step=True)
+    Engine(model, max_length=16, buckets=(4,), fused_step=True)
+    assert engine.fused_step_reason.startswith(reason)
+    said = [r.getMessage() for r in fallback_log.records if "not the fused step" in r.getMessage()]
+    assert len(said) == 1 and reason in said[0]
+    assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=3)) == reference
