@@ -38,7 +38,17 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     # The cache is built lazily: no memory is taken to ask it which layers slide.
     if any(layer.is_sliding for layer in StaticCache(config=config, max_cache_len=1).layers):
         return "sliding-window layers (transformers' static sliding-window cache tracks its fill on the host)"
+    on_host = [kind for kind in _rope_types(causal_lm(model)) if "dynamic" in kind or kind == "longrope"]
+    if on_host:
+        return (f"rope_type {on_host[0]!r} (transformers recomputes its frequencies from the positions, read on the "
+                "host, which a captured step cannot do)")
     return None
+
+
+def _rope_types(lm: PreTrainedModel) -> list[str]:
+    # a model's rotary embedding keeps its rope_type as a string, or a dict per layer type
+    kind = getattr(getattr(getattr(lm, "model", None), "rotary_emb", None), "rope_type", "default")
+    return list(kind.values()) if isinstance(kind, dict) else [kind]
 
 
 def static_cache(model: torch.nn.Module, batch_size: int, max_length: int) -> StaticCache:

@@ -141,6 +141,7 @@ def test_rms_norms_run_the_kernel_in_the_engine_only(monkeypatch):
 @pytest.mark.parametrize("family, overrides, reason", [
     ("gpt2", {}, "model type 'gpt2'"),
     ("mistral", {}, "sliding-window layers"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type 'dynamic'"),
 ])
 def test_other_models_fall_back_to_generate_and_say_why_once(fallback_log, family, overrides, reason):
     model = tiny_model(family, **overrides).eval()
