@@ -453,7 +453,8 @@ def test_kernel_path_does_not_log(fresh_log_once):
 
 def test_fallback_on_cpu_without_interpreter(monkeypatch, fresh_log_once):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    check(*qkv(1, 4, 2, 7, 33, 32, torch.float32), causal=True, check_reference=False)
+    with torch.device("cpu"):  # CPU tensors in the suite's GPU mode too
+        check(*qkv(1, 4, 2, 7, 33, 32, torch.float32), causal=True, check_reference=False)
     said = fallback_messages(fresh_log_once, "not on a CUDA device")
     assert len(said) == 1, said
 
