@@ -132,6 +132,21 @@ def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
     return model.merge_and_unload() if isinstance(model, PeftModel) else model
 
 
+CAPTURED_MARK = "_lorafuse_graphs_hold_weights"
+
+
+def mark_captured(model: torch.nn.Module) -> None:
+    """Record that CUDA graphs now read `model`'s weights at their addresses (an engine captured its decode step):
+    no later layout may move them (stack_adapters, the fused step's stacking), or those graphs would read freed
+    memory."""
+    setattr(causal_lm(model), CAPTURED_MARK, True)
+
+
+def weights_captured(model: torch.nn.Module) -> bool:
+    """Whether mark_captured was called on `model`."""
+    return getattr(causal_lm(model), CAPTURED_MARK, False)
+
+
 def cast_adapters(model: torch.nn.Module) -> None:
     """A PeftModel's LoRA weights cast in place to the dtype of its embeddings (PEFT keeps adapters of a 16-bit model
     in float32: they are rounded, and that is logged once), so that decoding runs them in one GEMM with the frozen
@@ -160,14 +175,16 @@ def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
         return model
     cast_adapters(model)
     adapter = model.active_adapter
+    captured = weights_captured(model)
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
         base = module.get_base_layer()
         if adapter in module.lora_A and type(base) is torch.nn.Linear and not getattr(module, "fan_in_fan_out", False):
             lora_A = module.lora_A[adapter].weight
-            # Laid out already (another engine on this model): moving the weights would strand its captured graphs.
-            if not shares_buffer(base.weight):
+            # Laid out already, or captured where they are by another engine on this model: moving the weights
+            # would strand its graphs (the layer then decodes unstacked: slower, still right).
+            if not shares_buffer(base.weight) and not captured:
                 base.weight.data, lora_A.data = stack_weights(base.weight, lora_A)
     return model
 

@@ -16,7 +16,8 @@ multiply-adds inside the kernels after them. Prefill stays on transformers' forw
 The weights of each GEMM are stored one after another in one buffer (`StackedLinear`), and the modules' parameters
 re-pointed to views of it, so that PEFT, swap_adapter (which copies into lora_A and lora_B in place) and the user's
 model keep seeing the same parameters. A layout made once is kept: a second engine on the same model moves nothing
-(the first one's captured graphs hold these addresses).
+(the first one's captured graphs hold these addresses), and weights that another engine captured unstacked are not
+laid out at all (this step then declines: decoding.mark_captured).
 """
 import os
 
@@ -30,13 +31,13 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2Decode
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
 from ..ops.attention_windows import windows_of_one_query
-from ..ops.flash_attention import flash_attention
+from ..ops.flash_attention import HEAD_DIMS, flash_attention
 from ..ops.lora_add_rms_norm import lora_add_rms_norm
 from ..ops.lora_decode import shares_buffer, stack_rows, stacked_rows
 from ..ops.lora_silu_mul import lora_silu_mul
 from ..ops.rms_norm import rms_norm
 from ..ops.rope_cache_write import rope_cache_write
-from .decoding import cast_adapters, causal_lm
+from .decoding import cast_adapters, causal_lm, weights_captured
 from .lora import FusedLoraLinear
 from .model_kernels import computes_as_llama_rms_norm, computes_as_swiglu_mlp
 
@@ -66,11 +67,17 @@ def unsupported_reason(model: nn.Module, stack_adapters: bool = True) -> str | N
         return "stack_adapters=False (the fused step stores the adapters with the frozen weights)"
     if isinstance(model, PeftModel) and len(model.active_adapters) != 1:
         return f"{len(model.active_adapters)} active adapters (the fused step runs one)"
+    if any(map(_hooked, (lm.model, lm.model.norm, lm.model.rotary_emb, lm.get_input_embeddings(),
+                         lm.get_output_embeddings()))):
+        return "a hooked embedding, rotary embedding, final norm, lm_head or decoder stack (e.g. accelerate offload)"
+    captured = weights_captured(model)
     for i, layer in enumerate(lm.model.layers):
-        reason = _layer_reason(layer, dtype)
+        reason = _layer_reason(layer, dtype, captured)
         if reason is not None:
             return f"decoder layer {i}: {reason}"
     head_dim = lm.model.layers[0].self_attn.head_dim
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} (flash decoding runs {HEAD_DIMS}; others would take its SDPA fallback)"
     cos, _ = lm.model.rotary_emb(lm.get_input_embeddings().weight[:1], torch.zeros(1, 1, dtype=torch.long,
                                                                                    device=device))
     if cos.shape[-1] != head_dim:
@@ -78,13 +85,14 @@ def unsupported_reason(model: nn.Module, stack_adapters: bool = True) -> str | N
     return None
 
 
-def _layer_reason(layer: nn.Module, dtype: torch.dtype) -> str | None:
+def _layer_reason(layer: nn.Module, dtype: torch.dtype, captured: bool) -> str | None:
+    # captured: CUDA graphs of another engine read the weights where they are (decoding.mark_captured)
     attn, mlp = layer.self_attn, layer.mlp
     if type(layer) not in DECODER_LAYERS or type(attn) not in ATTENTIONS:
         return (f"{type(layer).__name__} with {type(attn).__name__} (the fused step computes "
                 f"{', '.join(cls.__name__ for cls in DECODER_LAYERS)} as transformers does)")
-    if _hooked(layer) or _hooked(attn):
-        return "a hooked decoder layer or attention (e.g. accelerate offload)"
+    if any(map(_hooked, (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm))):
+        return "a hooked decoder layer, attention, MLP or norm (e.g. accelerate offload)"
     if getattr(attn, "sliding_window", None) is not None:
         return f"sliding-window attention ({attn.sliding_window})"
     if not computes_as_swiglu_mlp(mlp):
@@ -98,9 +106,10 @@ def _layer_reason(layer: nn.Module, dtype: torch.dtype) -> str | None:
             reason = _projection_reason(getattr(layer, parent).get_submodule(name), dtype)
             if reason is not None:
                 return f"{name}: {reason}"
-        if _moved_by_another_layout([getattr(layer, parent).get_submodule(name) for name in names]):
-            return (f"{', '.join(names)} laid out by another engine (Engine(fused_step=False) stores each lora_A "
-                    "under its own weight): moving them would strand that engine's captured steps")
+        if _moved_by_another_layout([getattr(layer, parent).get_submodule(name) for name in names], captured):
+            return (f"{', '.join(names)} laid out or captured by another engine on this model (one that stores "
+                    "each lora_A under its own weight, or runs transformers' step): moving them would strand that "
+                    "engine's CUDA graphs")
     return None
 
 
@@ -148,9 +157,10 @@ def _stacked_tensors(modules: list[nn.Module]) -> list[nn.Parameter]:
     return weights + [adapter[0] for adapter in map(_adapter, modules) if adapter is not None]
 
 
-def _moved_by_another_layout(modules: list[nn.Module]) -> bool:
+def _moved_by_another_layout(modules: list[nn.Module], captured: bool) -> bool:
+    # laying these out would move weights that another layout, or another engine's graphs, hold where they are
     tensors = _stacked_tensors(modules)
-    return stacked_rows(tensors) is None and any(map(shares_buffer, tensors))
+    return stacked_rows(tensors) is None and (captured or any(map(shares_buffer, tensors)))
 
 
 class StackedLinear:

@@ -252,6 +252,7 @@ class Engine:
     def _capture(self) -> None:
         """Every bucket's decode step as CUDA graphs, largest bucket first (its temporaries size the shared pool)."""
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
+        decoding.mark_captured(self.model)
         for size in reversed(self.buckets):
             rows = self._rows[size]
             # Warm-up and capture run each graph a few times (CAPTURE_RUNS): from slot 0 each time, so that they

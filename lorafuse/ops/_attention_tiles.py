@@ -65,8 +65,9 @@ def key_range(klo, khi, first_row, last_row, diag, CAUSAL: tl.constexpr, BLOCK_N
 @triton.jit
 def allowed_tile(offs_m, offs_n, klo, khi, n_k, diag, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr):
     # [BLOCK_M, BLOCK_N] (or [1, BLOCK_N]). PER_ROW: each row's window [klo, khi), which also drops rows past n_q
-    # and keys past n_k; else every row sees keys 0..n_k-1 (no windows): one test per key, rows past n_q compute
-    # on zeros and are never stored. Both are right without windows; which is faster depends on the kernel
+    # and keys past n_k; else every row sees keys 0..n_k-1 (no windows): one test per key. Rows past n_q then
+    # compute on zeros: never stored, and in dK/dV they add exactly zero (their q and dO load as zeros, their lse
+    # and delta as 0: P = 1 times zero factors). Both are right without windows; which is faster depends on the kernel
     # (H200, triton 3.6: the forward is 4 % faster per row, the backward 6 % faster per key, non-causal).
     if PER_ROW:
         ok = (offs_n[None, :] >= klo[:, None]) & (offs_n[None, :] < khi[:, None])

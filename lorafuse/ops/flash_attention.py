@@ -170,6 +170,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, KEY_LO, KEY_HI, b, h, sqm, sdm,
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = load_rows(Q, b, h, offs_m, start_m, sqm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
         do = load_rows(DO, b, h, offs_m, start_m, sdm, n_q, offs_d, HEAD_DIM, BLOCK_M, D_TILE, TMA)
+        # rows past n_q: lse 0 makes P finite (1) for their zero q and dO, so they add nothing (not -inf: inf * 0)
         lse = tl.load(LSE + offs_m, mask=offs_m < n_q, other=0.0)
         delta = tl.load(DELTA + offs_m, mask=offs_m < n_q, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model
 
+from lorafuse.hf import decoding
 from lorafuse.inference import Engine, SamplingParams
 from lorafuse.ops.lora_decode import stacked_rows
 from tests.hf.families import VOCAB, lora_config, tiny_model
@@ -88,10 +89,28 @@ def test_weights_laid_out_by_the_transformers_step_are_not_moved(adapters, fallb
     addresses = [param.data_ptr() for param in model.parameters()]
     for _ in range(2):
         engine = Engine(model, max_length=16, buckets=(1,), fused_step=True)
-        assert "laid out by another engine" in engine.fused_step_reason
+        assert "laid out or captured by another engine" in engine.fused_step_reason
     assert [param.data_ptr() for param in model.parameters()] == addresses
     said = [r.getMessage() for r in fallback_log.records if "not the fused step" in r.getMessage()]
-    assert len(said) == 1 and "q_proj, k_proj, v_proj laid out by another engine" in said[0]
+    assert len(said) == 1 and "q_proj, k_proj, v_proj laid out or captured by another engine" in said[0]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_weights_that_another_engine_captured_are_not_moved(adapters, fallback_log, lora):
+    # an engine that captured its step (on a GPU) marks the model: its graphs read the weights where they are, so
+    # neither the fused step's layout nor stack_adapters may move them later
+    model = tiny_model("llama").eval()
+    if lora:
+        model = PeftModel.from_pretrained(model, adapters / "A").eval()
+    reference = hf_greedy(model, PROMPTS, 3)
+    decoding.mark_captured(model)
+    addresses = [param.data_ptr() for param in model.parameters()]
+    fused = Engine(model, max_length=16, buckets=(4,), fused_step=True)
+    stepped = Engine(model, max_length=16, buckets=(4,), fused_step=False)
+    assert "laid out or captured by another engine" in fused.fused_step_reason
+    assert [param.data_ptr() for param in model.parameters()] == addresses
+    for engine in (fused, stepped):
+        assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=3)) == reference
 
 
 @pytest.mark.parametrize("overrides, lora, reason", [
