@@ -244,6 +244,8 @@ class FusedDecoder:
         self.embed, self.lm_head = lm.get_input_embeddings(), lm.get_output_embeddings()
         self.rotary, self.final_norm = lm.model.rotary_emb, lm.model.norm
         self.layers = [FusedLayer(layer) for layer in lm.model.layers]
+        # each layer ends with the next one's input norm (the final norm after the last): no layer starts with one
+        self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
 
     @torch.no_grad()
     def __call__(self, ids, positions, slot, keep, cache, logits) -> None:
@@ -257,7 +259,6 @@ class FusedDecoder:
         cos, sin = self.rotary(hidden, positions)  # [B, 1, D]: the model's own rope, whatever its scaling
         first = self.layers[0].input_norm
         normed = rms_norm(hidden, first.weight, first.variance_epsilon)
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        for layer, cache_layer, next_norm in zip(self.layers, cache.layers, next_norms):
+        for layer, cache_layer, next_norm in zip(self.layers, cache.layers, self.next_norms):
             layer(hidden, normed, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm)
         logits.copy_(self.lm_head(normed))

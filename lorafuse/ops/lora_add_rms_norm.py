@@ -30,12 +30,9 @@ def lora_add_rms_norm_reference(proj, lora_B, scale, residual, weight, eps, norm
 
 
 @triton.jit
-def _normed_row(res_ptr, w_ptr, out_ptr, row, N, stride_res, stride_out, sum_squares, eps, BLOCK_N: tl.constexpr,
-                CACHE: tl.constexpr):
-    # out[row] = rms_norm(h) * w, h read back from the residual as stored (as transformers' next layer reads it)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+def _store_normed(x, cols, mask, res_ptr, w_ptr, out_ptr, row, N, stride_out, sum_squares, eps):
+    # out[row, cols] = rms_norm(h) * w; x: h as stored in the residual's dtype (as transformers' next layer reads
+    # it), in fp32
     rstd = tl.rsqrt(sum_squares / N + eps)
     normed = (x * rstd).to(res_ptr.dtype.element_ty).to(tl.float32)  # rounded to h's dtype first, as rms_norm
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -48,7 +45,7 @@ def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count
                        PARTS: tl.constexpr, R: tl.constexpr):
     # grid: (M, programs per row), BLOCK columns each; PARTS: a power of two >= programs per row, 1 when a program
     # takes the whole row (BLOCK = BLOCK_N). proj: [M, N + rank], B: [N, rank], residual, out: [M, N] (unit column
-    # strides); part: fp32 [M, PARTS]; count: int32 [M], zero
+    # strides); part: fp32 [M, PARTS] and count: int32 [M], zero (both unread when PARTS = 1)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -57,8 +54,8 @@ def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count
     h = h.to(res_ptr.dtype.element_ty)
     tl.store(res_ptr + row * stride_res + cols, h, mask=mask)
     x = h.to(tl.float32)
-    if PARTS == 1:
-        _normed_row(res_ptr, w_ptr, out_ptr, row, N, stride_res, stride_out, tl.sum(x * x, axis=0), eps, BLOCK_N, "")
+    if PARTS == 1:  # the whole row is here
+        _store_normed(x, cols, mask, res_ptr, w_ptr, out_ptr, row, N, stride_out, tl.sum(x * x, axis=0), eps)
     else:
         programs = tl.num_programs(1)
         tl.store(part_ptr + row * PARTS + tl.program_id(1), tl.sum(x * x, axis=0))
@@ -68,8 +65,11 @@ def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count
             # .cg: the other programs' stores from L2, not a stale L1 line
             parts = tl.load(part_ptr + row * PARTS + tl.arange(0, PARTS), mask=tl.arange(0, PARTS) < programs,
                             other=0.0, cache_modifier=".cg")
-            _normed_row(res_ptr, w_ptr, out_ptr, row, N, stride_res, stride_out, tl.sum(parts, axis=0), eps,
-                        BLOCK_N, ".cg")
+            all_cols = tl.arange(0, BLOCK_N)
+            all_mask = all_cols < N
+            whole = tl.load(res_ptr + row * stride_res + all_cols, mask=all_mask, other=0.0, cache_modifier=".cg")
+            _store_normed(whole.to(tl.float32), all_cols, all_mask, res_ptr, w_ptr, out_ptr, row, N, stride_out,
+                          tl.sum(parts, axis=0), eps)
 
 
 _counts: dict[torch.device, torch.Tensor] = {}  # per device, the latest
@@ -102,9 +102,10 @@ def lora_add_rms_norm(proj, lora_B, scale, residual, weight, eps, normed):
     columns = min(LORA_BLOCK, block) if r_tile else block
     programs = triton.cdiv(N, columns)  # per row
     parts = triton.next_power_of_2(programs)
+    split = (torch.empty(M, parts, dtype=torch.float32, device=proj.device), _zeroed_counts(proj.device, M)) \
+        if programs > 1 else (proj, proj)  # one program per row: any pointers, unread
     _lora_add_rms_norm[(M, programs)](
-        proj, proj if lora_B is None else lora_B, residual, weight, normed,
-        torch.empty(M, parts, dtype=torch.float32, device=proj.device), _zeroed_counts(proj.device, M), N, rank,
+        proj, proj if lora_B is None else lora_B, residual, weight, normed, *split, N, rank,
         proj.stride(0), 0 if lora_B is None else lora_B.stride(0), residual.stride(0), normed.stride(0), float(scale),
         float(eps), BLOCK=columns, BLOCK_N=block, PARTS=parts, R=r_tile,
         num_warps=4 if programs > 1 else row_warps(block))
