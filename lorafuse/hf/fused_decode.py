@@ -39,7 +39,7 @@ from ..ops.rms_norm import rms_norm
 from ..ops.rope_cache_write import rope_cache_write
 from .decoding import cast_adapters, causal_lm, weights_captured
 from .lora import FusedLoraLinear
-from .model_kernels import computes_as_llama_rms_norm, computes_as_swiglu_mlp
+from .model_kernels import KernelForward, computes_as_llama_rms_norm, computes_as_swiglu_mlp
 
 DECODER_LAYERS = (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer)
 ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
@@ -67,9 +67,10 @@ def unsupported_reason(model: nn.Module, stack_adapters: bool = True) -> str | N
         return "stack_adapters=False (the fused step stores the adapters with the frozen weights)"
     if isinstance(model, PeftModel) and len(model.active_adapters) != 1:
         return f"{len(model.active_adapters)} active adapters (the fused step runs one)"
-    if any(map(_hooked, (lm.model, lm.model.norm, lm.model.rotary_emb, lm.get_input_embeddings(),
-                         lm.get_output_embeddings()))):
-        return "a hooked embedding, rotary embedding, final norm, lm_head or decoder stack (e.g. accelerate offload)"
+    hooks = _hooks_on(lm.model, lm.model.norm, lm.model.rotary_emb, lm.get_input_embeddings(),
+                      lm.get_output_embeddings())
+    if hooks:
+        return f"{hooks} (e.g. accelerate offload); the fused step would skip them"
     captured = weights_captured(model)
     for i, layer in enumerate(lm.model.layers):
         reason = _layer_reason(layer, dtype, captured)
@@ -91,8 +92,9 @@ def _layer_reason(layer: nn.Module, dtype: torch.dtype, captured: bool) -> str |
     if type(layer) not in DECODER_LAYERS or type(attn) not in ATTENTIONS:
         return (f"{type(layer).__name__} with {type(attn).__name__} (the fused step computes "
                 f"{', '.join(cls.__name__ for cls in DECODER_LAYERS)} as transformers does)")
-    if any(map(_hooked, (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm))):
-        return "a hooked decoder layer, attention, MLP or norm (e.g. accelerate offload)"
+    hooks = _hooks_on(layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm)
+    if hooks:
+        return f"{hooks} (e.g. accelerate offload); the fused step would skip them"
     if getattr(attn, "sliding_window", None) is not None:
         return f"sliding-window attention ({attn.sliding_window})"
     if not computes_as_swiglu_mlp(mlp):
@@ -113,8 +115,19 @@ def _layer_reason(layer: nn.Module, dtype: torch.dtype, captured: bool) -> str |
     return None
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+def _hooks_on(*modules: nn.Module) -> str:
+    """What would run around these modules' forward that the fused step does not call: '' when nothing. lorafuse's
+    own kernel forwards (model_kernels.use_model_kernels) compute what the fused step computes: not hooks."""
+    found = []
+    for module in modules:
+        hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+        names = [getattr(hook, "__qualname__", type(hook).__name__) for hook in hooks]
+        own = vars(module).get("forward")
+        if own is not None and not isinstance(own, KernelForward):
+            names.append("a forward set on the instance")
+        if names:
+            found.append(f"{type(module).__name__} with {', '.join(names)}")
+    return "; ".join(found)
 
 
 def _projection_reason(module: nn.Module, dtype: torch.dtype) -> str | None:
@@ -123,8 +136,9 @@ def _projection_reason(module: nn.Module, dtype: torch.dtype) -> str | None:
     base = module.get_base_layer() if type(module) in LORA_LINEARS else module
     if type(base) is not nn.Linear:
         return f"a {type(module).__name__} (the fused step runs nn.Linear, with or without a LoRA Linear on it)"
-    if _hooked(module) or _hooked(base):
-        return "a hooked projection (e.g. accelerate offload)"
+    hooks = _hooks_on(module) if module is base else _hooks_on(module, base)
+    if hooks:
+        return f"{hooks} (e.g. accelerate offload)"
     if base.weight.dtype != dtype:
         return f"a {base.weight.dtype} weight in a {dtype} model"
     if module is base:

@@ -2,11 +2,13 @@
 greedy tokens and last logits are those of the engine stepping through transformers' forward, for Llama, Mistral,
 Qwen2 and Qwen3, merged and unmerged, after swap_adapter; the weights it lays out stay where they are for later
 engines; models it does not cover step through transformers' forward and say why once."""
+import copy
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
 
-from lorafuse.hf import decoding
+from lorafuse.hf import decoding, model_kernels
 from lorafuse.inference import Engine, SamplingParams
 from lorafuse.ops.lora_decode import stacked_rows
 from tests.hf.families import VOCAB, lora_config, tiny_model
@@ -52,6 +54,24 @@ def test_fused_step_equals_transformers_step(case, merge):
         model = get_peft_model(model, lora_config(family, **lora)).eval()
     fused, stepped = engines(model, merge=merge)
     assert_same_generation(fused, stepped)
+
+
+def test_models_on_lorafuse_kernels_take_the_fused_step():
+    # training set-ups give norms and MLPs lorafuse's kernel forwards (instance forwards): not hooks
+    model = get_peft_model(tiny_model("llama").eval(), lora_config("llama")).eval()
+    assert model_kernels.use_model_kernels(model) > 0
+    stepped = Engine(model, max_length=16, buckets=(4,), check_every=2, fused_step=False, stack_adapters=False)
+    reference = stepped.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    fused = Engine(copy.deepcopy(model), max_length=16, buckets=(4,), check_every=2, fused_step=True)
+    assert fused.fused_step_reason is None
+    assert fused.generate(PROMPTS, SamplingParams(max_new_tokens=NEW)) == reference
+
+
+def test_hooked_modules_step_through_transformers(fallback_log):
+    model = tiny_model("llama").eval()
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
+    engine = Engine(model, max_length=16, buckets=(4,), fused_step=True)
+    assert engine.fused_step_reason.startswith("decoder layer 1: LlamaMLP with ")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from lorafuse import _logging
 from lorafuse.ops.attention_windows import (windows_from_padding_mask, windows_from_position_ids,
                                             with_sliding_window)
 from lorafuse.ops.flash_attention import attention_reference, flash_attention
-from tests.ops._helpers import DTYPES, FP32_TOL, HALF_DTYPES, HALF_FLOOR, assert_close, dtype_id, rel_err
+from tests.ops._helpers import DTYPES, FP32_TOL, HALF_FLOOR, assert_close, dtype_id, rel_err
 from tests.ops.test_attention_windows import (causal_relation, packed_relation, padding_relation,
                                               sliding_relation)
 
@@ -122,9 +122,7 @@ def check(q, k, v, causal=False, scale=None, windows=None, relation=None, grad_o
                 grad_out.double())
     got = run(lambda q, k, v: flash_attention(q, k, v, causal=causal, scale=scale, windows=windows),
               q, k, v, grad_out)
-    plain_results = None
-    if dtype in HALF_DTYPES:
-        plain_results = run(lambda q, k, v: plain(q, k, v, allowed, sm_scale), q, k, v, grad_out)
+    plain_results = run(lambda q, k, v: plain(q, k, v, allowed, sm_scale), q, k, v, grad_out)
     for name, t in got.items():
         assert torch.isfinite(t).all(), f"flash_attention {name}: {(~torch.isfinite(t)).sum().item()} non-finite"
     compare(got, exact, dtype, plain_results)
