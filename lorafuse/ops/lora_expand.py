@@ -5,12 +5,14 @@ scale * s B^T + bias alone, which cuBLAS then accumulates into (addmm with beta=
 adapter costs one write of y instead of a read and a write.
 Backward: one pass over dy gives ds = scale * g B, dB = scale * g^T s and dbias = sum(g),
 with g = dy * act'(z); g itself is written only when the activation is not the identity
-(the dx GEMM then needs it).
+(the dx GEMM then needs it). float32 adapters on bf16 activations without an activation (g == dy, exact in
+bf16) run the backward's dots on bf16 pieces of B and s (_bf16_pieces.py).
 """
 import torch
 import triton
 import triton.language as tl
 
+from ._bf16_pieces import bf16_pieces, split_bf16, uses_bf16_pieces
 from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .activation import activate, activate_grad, activation_reference
 
@@ -54,9 +56,9 @@ def _expand_fwd(y_ptr, base_ptr, s_ptr, b_ptr, bias_ptr, z_ptr, M, N, rank, scal
 @triton.jit
 def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, dbias_part_ptr, M, N, rank, scale,
                 cols_per_split, ACT: tl.constexpr, STORE_G: tl.constexpr, STORE_DBIAS: tl.constexpr,
-                LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                PRECISION: tl.constexpr):
-    # dy, z, g: [M, N]; s: [M, rank] fp32; B: [N, rank]
+                LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    # dy, z, g: [M, N]; s: [M, rank] fp32; B: [N, rank] ([3, N, rank] bf16 pieces when ON_PIECES: ACT is 0)
     # ds_part: [splits, M, rank], db_part: [row_blocks, rank, N] (dB transposed), dbias_part: [row_blocks, N] (fp32)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
@@ -65,7 +67,12 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
     offs_rank_ok = ranks[None, :] < rank
     s = tl.load(s_ptr + rows[:, None] * rank + ranks[None, :], mask=row_ok[:, None] & offs_rank_ok, other=0.0)
     cd = tl.float32 if LORA_FP32 else dy_ptr.dtype.element_ty
-    s_t = tl.trans(s.to(cd))  # [R, BM], transposed once: dB^T = s^T g needs no transpose of g
+    # s transposed once ([R, BM]): dB^T = s^T g needs no transpose of g
+    if ON_PIECES:
+        s_hi, s_mid, s_lo = split_bf16(s)
+        s_hi, s_mid, s_lo = tl.trans(s_hi), tl.trans(s_mid), tl.trans(s_lo)
+    else:
+        s_t = tl.trans(s.to(cd))
     ds = tl.zeros([BLOCK_M, R], tl.float32)
     col_end = tl.minimum(N, (split + 1) * cols_per_split)
     for n0 in range(split * cols_per_split, col_end, BLOCK_N):
@@ -82,11 +89,18 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
         else:
             g32 = dy.to(tl.float32)
             g = dy
-        b = tl.load(b_ptr + cols[:, None] * rank + ranks[None, :], mask=col_ok[:, None] & offs_rank_ok, other=0.0)
-        # An fp32 adapter path sees the unrounded gradient (PEFT's float32 adapters do).
-        g_lora = g32.to(cd) if LORA_FP32 else g
-        ds = tl.dot(g_lora, b.to(cd), ds, input_precision=PRECISION)
-        db_t = tl.dot(s_t, g_lora, input_precision=PRECISION)
+        b_offs = cols[:, None] * rank + ranks[None, :]
+        b_mask = col_ok[:, None] & offs_rank_ok
+        if ON_PIECES:
+            for piece in tl.static_range(3):
+                ds = tl.dot(g, tl.load(b_ptr + piece * N * rank + b_offs, mask=b_mask, other=0.0), ds)
+            db_t = tl.dot(s_lo, g, tl.dot(s_mid, g, tl.dot(s_hi, g)))
+        else:
+            b = tl.load(b_ptr + b_offs, mask=b_mask, other=0.0)
+            # An fp32 adapter path sees the unrounded gradient (PEFT's float32 adapters do).
+            g_lora = g32.to(cd) if LORA_FP32 else g
+            ds = tl.dot(g_lora, b.to(cd), ds, input_precision=PRECISION)
+            db_t = tl.dot(s_t, g_lora, input_precision=PRECISION)
         db_offs = tl.program_id(0).to(tl.int64) * N * rank + ranks[:, None] * N + cols[None, :]  # may pass 2^31
         tl.store(db_part_ptr + db_offs, scale * db_t,
                  mask=(ranks[:, None] < rank) & col_ok[None, :])
@@ -140,7 +154,8 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     # dy: [M, N] contiguous, z: [M, N] or None, s: [M, r] fp32, B: [N, r]
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
     fp32 = lora_in_fp32(dy.dtype, B.dtype)
-    config = config or _expand_backward_config(M, N, fp32, sm_count(dy.device))
+    on_pieces = activation_id == 0 and uses_bf16_pieces(dy.dtype, B.dtype)
+    config = config or _expand_backward_config(M, N, fp32 and not on_pieces, sm_count(dy.device))
     block_m, block_n, warps, stages, programs = config
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(N, block_n, min(triton.cdiv(N, 512), triton.cdiv(programs, row_blocks)))
@@ -150,8 +165,9 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     db_part = torch.empty(row_blocks, r, N, device=dy.device, dtype=torch.float32)
     dbias_part = torch.empty(row_blocks, N, device=dy.device, dtype=torch.float32) if need_dbias else None
     _expand_bwd[(row_blocks, splits)](
-        dy, z, s, B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale, cols_per_split,
-        ACT=activation_id, STORE_G=store_g, STORE_DBIAS=need_dbias, LORA_FP32=fp32, R=padded_rank(r),
+        dy, z, s, bf16_pieces(B) if on_pieces else B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale,
+        cols_per_split, ACT=activation_id, STORE_G=store_g, STORE_DBIAS=need_dbias, LORA_FP32=fp32,
+        ON_PIECES=on_pieces, R=padded_rank(r),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dy.dtype, B.dtype),
         num_warps=warps, num_stages=stages)
     ds = ds_part.sum(0) if splits > 1 else ds_part[0]

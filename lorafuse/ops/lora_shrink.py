@@ -4,11 +4,13 @@ Forward: one pass over x; s is kept in fp32 ([M, r] is tiny) for the expand and 
 Backward: dA = ds^T @ dropout(x), redrawing the same mask from the seed; optionally it also
 writes dx_lora = keep * (ds @ A) * keep_scale, the adapter's share of dx, in the same pass
 (used when the dx GEMM runs on cuBLAS and adds into that buffer).
+float32 adapters on bf16 activations run as three bf16 dots on pieces of A and ds (_bf16_pieces.py).
 """
 import torch
 import triton
 import triton.language as tl
 
+from ._bf16_pieces import bf16_pieces, split_bf16, uses_bf16_pieces
 from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
 
@@ -22,10 +24,10 @@ def lora_shrink_reference(x, A, dropout_p=0.0, seed=None):
 
 @triton.jit
 def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_split, threshold, drop_scale,
-                HAS_DROPOUT: tl.constexpr, LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
-    # x: [M, K] (row stride stride_xm), A: [rank, K] contiguous, s: [splits, M, rank] fp32 partial
-    # sums over column splits of cols_per_split (a multiple of BLOCK_K)
+                HAS_DROPOUT: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
+    # x: [M, K] (row stride stride_xm), A: [rank, K] contiguous ([3, rank, K] bf16 pieces when ON_PIECES),
+    # s: [splits, M, rank] fp32 partial sums over column splits of cols_per_split (a multiple of BLOCK_K)
     # LORA_FP32: the product runs in fp32 (float32 adapters), else in x's 16-bit dtype
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
@@ -37,10 +39,16 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
                     mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
         if HAS_DROPOUT:
             x = tl.where(keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS), x, 0.0)
-        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < rank) & (cols[None, :] < K),
-                    other=0.0)
-        cd = tl.float32 if LORA_FP32 else x.dtype
-        acc = tl.dot(x.to(cd), tl.trans(a.to(cd)), acc, input_precision=PRECISION)
+        a_offs = ranks[:, None] * K + cols[None, :]
+        a_mask = (ranks[:, None] < rank) & (cols[None, :] < K)
+        if ON_PIECES:
+            for piece in tl.static_range(3):
+                a = tl.load(a_ptr + piece * rank * K + a_offs, mask=a_mask, other=0.0)
+                acc = tl.dot(x, tl.trans(a), acc)
+        else:
+            a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
+            cd = tl.float32 if LORA_FP32 else x.dtype
+            acc = tl.dot(x.to(cd), tl.trans(a.to(cd)), acc, input_precision=PRECISION)
     if HAS_DROPOUT:
         acc *= drop_scale
     tl.store(s_ptr + split * M * rank + rows[:, None] * rank + ranks[None, :], acc,
@@ -50,16 +58,20 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
 @triton.jit
 def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank, stride_xm, rows_per_split,
                 threshold, drop_scale, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr, LORA_FP32: tl.constexpr,
-                R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr,
-                PRECISION: tl.constexpr):
-    # x: [M, K], ds: [M, rank] fp32, A: [rank, K], dx: [M, K], da_part: [splits, rank, K] fp32
+                ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
+    # x: [M, K], ds: [M, rank] fp32, A: [rank, K] ([3, rank, K] bf16 pieces when ON_PIECES), dx: [M, K],
+    # da_part: [splits, rank, K] fp32
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     split = tl.program_id(1)
     ranks = tl.arange(0, R)
     col_ok = cols < K
     if STORE_DX:
-        a = tl.load(a_ptr + ranks[:, None] * K + cols[None, :], mask=(ranks[:, None] < rank) & col_ok[None, :],
-                    other=0.0)
+        a_offs = ranks[:, None] * K + cols[None, :]
+        a_mask = (ranks[:, None] < rank) & col_ok[None, :]
+        a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
+        if ON_PIECES:
+            a_mid = tl.load(a_ptr + rank * K + a_offs, mask=a_mask, other=0.0)
     acc = tl.zeros([R, BLOCK_K], tl.float32)
     row_end = tl.minimum(M, (split + 1) * rows_per_split)
     for m0 in range(split * rows_per_split, row_end, BLOCK_M):
@@ -69,13 +81,23 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         cd = tl.float32 if LORA_FP32 else x.dtype
         ds = tl.load(ds_ptr + rows[:, None] * rank + ranks[None, :], mask=row_ok[:, None] & (ranks[None, :] < rank),
-                     other=0.0).to(cd)
+                     other=0.0)
         if HAS_DROPOUT:
             keep = keep_tile(seed_ptr, rows, tl.program_id(0) * BLOCK_K, threshold, BLOCK_K, ROUNDS)
             x = tl.where(keep, x, 0.0)
-        acc = tl.dot(tl.trans(ds), x.to(cd), acc, input_precision=PRECISION)
+        if ON_PIECES:
+            ds_hi, ds_mid, ds_lo = split_bf16(ds)
+            acc = tl.dot(tl.trans(ds_hi), x, acc)
+            acc = tl.dot(tl.trans(ds_mid), x, acc)
+            acc = tl.dot(tl.trans(ds_lo), x, acc)
+        else:
+            ds = ds.to(cd)
+            acc = tl.dot(tl.trans(ds), x.to(cd), acc, input_precision=PRECISION)
         if STORE_DX:
-            dx = tl.dot(ds, a.to(cd), input_precision=PRECISION)
+            if ON_PIECES:  # dx is rounded to bf16: the three largest piece products are ample
+                dx = tl.dot(ds_hi, a, tl.dot(ds_hi, a_mid, tl.dot(ds_mid, a)))
+            else:
+                dx = tl.dot(ds, a.to(cd), input_precision=PRECISION)
             if HAS_DROPOUT:
                 dx = tl.where(keep, dx * drop_scale, 0.0)
             tl.store(dx_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
@@ -102,16 +124,18 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     M, K = x.shape
     r = A.shape[0]
     fp32 = lora_in_fp32(x.dtype, A.dtype)
-    block_m, block_k, warps, stages = config or _shrink_config(M, fp32)
+    on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
+    a_arg = bf16_pieces(A) if on_pieces else A.contiguous()
+    block_m, block_k, warps, stages = config or _shrink_config(M, fp32 and not on_pieces)
     # Few row blocks (decode) would leave one program walking all of K: split K instead.
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, sm_count(x.device) // row_blocks)
     s = torch.empty(splits, M, r, device=x.device, dtype=torch.float32)
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_fwd[(row_blocks, splits)](
-        x, A.contiguous(), s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,
-        HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k,
-        ROUNDS=PHILOX_ROUNDS, PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps,
+        x, a_arg, s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,
+        HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, R=padded_rank(r), BLOCK_M=block_m,
+        BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS, PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps,
         num_stages=stages)
     return s.sum(0) if splits > 1 else s[0]
 
@@ -131,9 +155,11 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     da_part = torch.empty(splits, r, K, device=x.device, dtype=torch.float32)
     threshold, drop_scale = dropout_args(dropout_p)
     fp32 = lora_in_fp32(x.dtype, A.dtype)
+    on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
+    a_arg = bf16_pieces(A) if on_pieces and dx_out is not None else A.contiguous()
     _shrink_bwd[(k_blocks, splits)](
-        x, ds, A.contiguous(), dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,
-        HAS_DROPOUT=dropout_p > 0.0, STORE_DX=dx_out is not None, LORA_FP32=fp32, R=padded_rank(r), BLOCK_M=block_m,
-        BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS, PRECISION=lora_precision(x.dtype, A.dtype),
-        num_warps=warps, num_stages=stages)
+        x, ds, a_arg, dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,
+        HAS_DROPOUT=dropout_p > 0.0, STORE_DX=dx_out is not None, LORA_FP32=fp32, ON_PIECES=on_pieces,
+        R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
+        PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)
     return da_part.sum(0) if splits > 1 else da_part[0]

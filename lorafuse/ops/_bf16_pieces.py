@@ -1,0 +1,62 @@
+"""float32 operands as three bfloat16 pieces: hi + mid + lo == t (each piece rounds what the previous left).
+
+PEFT keeps adapters in float32 on a bf16 model and runs their products in float32. A bf16 activation is exact
+in bf16, and a product of two bf16 numbers is exact in the tensor cores' fp32 accumulator, so
+x @ A == x @ hi + x @ mid + x @ lo: three bf16 dots give the float32 product (up to fp32 accumulation) at
+16-bit tensor-core speed, where tf32x3 splits both operands in every tile and runs fp32-sized tiles.
+The pieces of a weight are made once per call (`bf16_pieces`); fp32 tiles met inside a kernel (s, ds) are split
+there (`split_bf16`). fp16 activations are not exact in bf16: they keep tf32x3.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._tiles import lora_in_fp32
+
+PIECES = 3  # 3 x (8 + 1) bits cover float32's 24-bit significand
+
+
+def uses_bf16_pieces(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> bool:
+    """Whether the big rank-r products of float32 adapters on bf16 activations run on bf16 pieces."""
+    return x_dtype == torch.bfloat16 and lora_in_fp32(x_dtype, adapter_dtype)
+
+
+def bf16_pieces_reference(t: torch.Tensor) -> torch.Tensor:
+    # t: [...] float32 -> [3, ...] bfloat16
+    pieces, rest = [], t.float()
+    for _ in range(PIECES):
+        piece = rest.to(torch.bfloat16)
+        pieces.append(piece)
+        rest = rest - piece.float()
+    return torch.stack(pieces)
+
+
+@triton.jit
+def split_bf16(t):
+    # t: fp32 tile -> (hi, mid, lo) bf16 tiles, hi + mid + lo == t; each difference is exact in fp32
+    hi = t.to(tl.bfloat16)
+    rest = t - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _pieces_kernel(t_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # t: [n] fp32, out: [3, n] bf16
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    hi, mid, lo = split_bf16(tl.load(t_ptr + offs, mask=ok, other=0.0))
+    tl.store(out_ptr + offs, hi, mask=ok)
+    tl.store(out_ptr + n + offs, mid, mask=ok)
+    tl.store(out_ptr + 2 * n + offs, lo, mask=ok)
+
+
+def bf16_pieces(t: torch.Tensor) -> torch.Tensor:
+    """[3, ...] bfloat16 pieces of a float32 tensor, contiguous: one launch."""
+    # t: [...] float32 -> [3, ...] bfloat16
+    t = t.contiguous()
+    out = torch.empty(PIECES, *t.shape, device=t.device, dtype=torch.bfloat16)
+    n = t.numel()
+    _pieces_kernel[(triton.cdiv(n, 1024),)](t, out, n, BLOCK=1024)
+    return out
