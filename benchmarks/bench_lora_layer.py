@@ -15,6 +15,9 @@ forward+backward (frozen base weight, input requiring grad); decode sizes forwar
 providers there: lorafuse_bf16 (the adapters cast to bf16, as lorafuse.inference.Engine serves them) and
 lorafuse_matmul (that, with the single Triton GEMM that fuses the shrink into its K-loop, LORAFUSE_GEMM=triton),
 lorafuse_stacked (bf16, lora_A stored after the frozen weight as the Engine lays it out: one GEMM, one expand).
+Modes: fwd and fwd_bwd are eager calls of the one layer; fwd_graph and fwd_bwd_graph the same calls replayed from a
+CUDA graph, the GPU time alone (an eager call of one layer also waits on Python and the kernel launchers, which a
+model's many layers hide as the host runs ahead of the GPU).
 Rows go to benchmarks/results/lora_layer.csv (and $OUT when set); ratio = time / base time.
 """
 import argparse
@@ -241,6 +244,16 @@ def breakdown():
             print(f"    {name:40} {time_ms(fn)[0]:.3f}")
 
 
+def graph_time(call, name, mode):
+    """time_ms of `call` replayed from a CUDA graph, or None (said) where it cannot be captured."""
+    try:
+        return time_ms(capture(call)[0].replay)
+    except Exception as exc:  # e.g. a compiled provider that does not capture
+        print(f"  {name} {mode}: no graph timing ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
+        torch.cuda.synchronize()
+        return None
+
+
 def bench_training(env, compiled):
     rows = []
     for k, n in TRAIN_SHAPES:
@@ -261,11 +274,19 @@ def bench_training(env, compiled):
             times = {}
             for name, (model, settings) in providers.items():
                 params = [x] + [q for q in model.parameters() if q.requires_grad]
+                calls = {"fwd": lambda: model(x), "fwd_bwd": lambda: torch.autograd.grad(model(x), params, gy)}
                 with mock.patch.dict(os.environ, settings):
-                    times[(name, "fwd")] = time_ms(lambda: model(x))
-                    times[(name, "fwd_bwd")] = time_ms(lambda: torch.autograd.grad(model(x), params, gy))
+                    for mode, call in calls.items():
+                        times[(name, mode)] = time_ms(call)
+                        # Eager calls of one layer wait on Python and the launchers between kernels (a model's
+                        # layers hide that: the host runs ahead); replayed from a CUDA graph: GPU time alone.
+                        graphed = graph_time(call, name, mode)
+                        if graphed is not None:
+                            times[(name, f"{mode}_graph")] = graphed
             for (name, mode), (med, p20, p80) in times.items():
-                flops = 2 * TOKENS * k * n * (2 if mode == "fwd_bwd" else 1)
+                if ("base", mode) not in times:
+                    continue
+                flops = 2 * TOKENS * k * n * (2 if mode.startswith("fwd_bwd") else 1)
                 rows.append(dict(env, bench="lora_layer", shape=shape, provider=name, mode=mode, median_ms=med,
                                  p20_ms=p20, p80_ms=p80, metric="TFLOPs", value=flops / med / 1e9, baseline="base",
                                  ratio=med / times[("base", mode)][0]))

@@ -108,14 +108,24 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
              mask=(ranks[:, None] < rank) & col_ok[None, :])
 
 
-def _shrink_config(M, fp32):
-    # (BLOCK_M, BLOCK_K, num_warps, num_stages): enough programs in flight to stream x.
-    # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16. With fp32 adapter math
-    # (three tf32 products per tile) wider tiles win at training sizes: x of 8192 x 8192 with dropout 178 -> 143 us,
-    # 8192 x 2048 50 -> 44 us (Llama-1B shapes, H200); they lose with 16-bit adapter math (20 -> 29 us).
-    if fp32 and M >= 4096:
+def _shrink_config(M, K, math):
+    # (BLOCK_M, BLOCK_K, num_warps, num_stages): enough programs in flight to stream x. math: "16-bit", "pieces"
+    # (float32 A as bf16 pieces) or "tf32x3".
+    # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16. With tf32x3 wider tiles win
+    # at training sizes: x of 8192 x 8192 with dropout 178 -> 143 us, 8192 x 2048 50 -> 44 us (Llama-1B shapes); they
+    # lose with 16-bit adapter math (20 -> 29 us). On pieces (.scratch sweep, H200, 8192 rows, both dropout settings):
+    # 64-row tiles, 128-row ones for K >= 8192 (x of 8192 x 14336: 97 -> 77 us, with dropout 180 -> 140 us).
+    if M >= 4096 and math == "tf32x3":
         return (128, 128, 8, 3)
+    if M >= 4096 and math == "pieces":
+        return (128, 128, 8, 3) if K >= 8192 else (64, 128, 4, 3)
     return (32, 128, 4, 4) if M > 16 else (16, 128, 4, 3)
+
+
+def _math(x_dtype, a_dtype):
+    if uses_bf16_pieces(x_dtype, a_dtype):
+        return "pieces"
+    return "tf32x3" if lora_in_fp32(x_dtype, a_dtype) else "16-bit"
 
 
 def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
@@ -126,7 +136,7 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     a_arg = bf16_pieces(A) if on_pieces else A.contiguous()
-    block_m, block_k, warps, stages = config or _shrink_config(M, fp32 and not on_pieces)
+    block_m, block_k, warps, stages = config or _shrink_config(M, K, _math(x.dtype, A.dtype))
     # Few row blocks (decode) would leave one program walking all of K: split K instead.
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, sm_count(x.device) // row_blocks)
@@ -146,9 +156,16 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     # ds: [M, r] fp32, x: [M, K], A: [r, K]
     M, K = x.shape
     r = A.shape[0]
-    # Swept on an H200: with dx the mask and the extra store favour narrower row blocks.
+    # Swept on an H200: with dx the mask and the extra store favour narrower row blocks. With dx on pieces (float32 A):
+    # 64-row blocks without dropout (x of 8192 x 4096: 78 -> 65 us), 16 x 256 with it (99 -> 97 us, 8192 x 2048:
+    # 59 -> 55 us), and twice the programs for K >= 8192 (8192 x 14336 with dropout: 368 -> 324 us).
     programs = 4 * sm_count(x.device)
     default = (32, 128, 4, 3, programs) if dx_out is not None else (64, 64, 4, 3, programs)
+    if dx_out is not None and M > 32 and _math(x.dtype, A.dtype) == "pieces":
+        if K >= 8192:
+            default = (32, 128, 4, 3, 2 * programs)
+        else:
+            default = (16, 256, 4, 3, programs) if dropout_p > 0.0 else (64, 128, 4, 3, programs)
     block_m, block_k, warps, stages, programs = config or (default if M > 32 else (16, 64, 4, 3, programs))
     k_blocks = triton.cdiv(K, block_k)
     rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), triton.cdiv(programs, k_blocks)))

@@ -132,7 +132,7 @@ def test_autocast_bfloat16(gemm, shape):
     inputs = random_inputs(x_shape, n, 8)
     grad_out = torch.randn(*x_shape[:-1], n).to(torch.bfloat16)
     kwargs = {"dropout_p": 0.1, "activation": "silu", "seed": seed_tensor(BIG_SEED)}
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):  # cuda in the tests' GPU mode
         got = run(lora_linear, inputs, grad_out, ALL_GRADS, gemm=gemm, **kwargs)
         plain = run(lora_linear_reference, inputs, grad_out, ALL_GRADS, **kwargs)
     assert got["out"].dtype == torch.bfloat16
