@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bf16_pieces import split_bf16, uses_bf16_pieces
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank
 from .activation import activate
 from .dropout import PHILOX_ROUNDS, keep_tile
@@ -27,7 +28,7 @@ def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr,
                  M, N, K, rank, scale, threshold, drop_scale,
                  stride_am, stride_ak, stride_bk, stride_bn, stride_rr, stride_rn, stride_sr, stride_sk,
                  ACT: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_SHRINK: tl.constexpr, MASK_INPUT: tl.constexpr,
-                 STORE_Z: tl.constexpr, EVEN_K: tl.constexpr, LORA_FP32: tl.constexpr,
+                 STORE_Z: tl.constexpr, EVEN_K: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr,
                  R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
     # A: [M, K], B: [K, N] (any strides); C, Z: [M, N] contiguous; L: [M, rank] fp32 contiguous;
@@ -77,7 +78,7 @@ def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr,
         low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
                       other=0.0)
     _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, scale, stride_rr, stride_rn,
-              ACT, HAS_BIAS, STORE_Z, LORA_FP32, R, LORA_PRECISION)
+              ACT, HAS_BIAS, STORE_Z, LORA_FP32, ON_PIECES, R, LORA_PRECISION)
 
 
 @triton.jit
@@ -94,14 +95,22 @@ def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 @triton.jit
 def _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, scale, stride_rr, stride_rn,
               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, LORA_FP32: tl.constexpr,
-              R: tl.constexpr, LORA_PRECISION: tl.constexpr):
+              ON_PIECES: tl.constexpr, R: tl.constexpr, LORA_PRECISION: tl.constexpr):
     # acc: [BM, BN] fp32 tile of A @ B at (rows, cols); low: [BM, R] fp32 rank-r input of those rows
     cd = tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty
     ranks = tl.arange(0, R)
     r = tl.load(r_ptr + ranks[:, None] * stride_rr + cols[None, :] * stride_rn,
-                mask=(ranks[:, None] < rank) & (cols[None, :] < N), other=0.0).to(cd)
+                mask=(ranks[:, None] < rank) & (cols[None, :] < N), other=0.0)
     # One more K-step of rank r into the same accumulator: no second [BM, BN] tile.
-    acc = tl.dot((low * scale).to(cd), r, acc, input_precision=LORA_PRECISION)
+    if ON_PIECES:
+        # float32 operands as bf16 pieces: bf16 dots like the K-loop's (a tf32x3 dot into this accumulator spills);
+        # the six piece products down to 2^-24 of the term
+        l0, l1, l2 = split_bf16(low * scale)
+        r0, r1, r2 = split_bf16(r.to(tl.float32))
+        acc = tl.dot(l0, r0, tl.dot(l0, r1, tl.dot(l1, r0, acc)))
+        acc = tl.dot(l0, r2, tl.dot(l1, r1, tl.dot(l2, r0, acc)))
+    else:
+        acc = tl.dot((low * scale).to(cd), r.to(cd), acc, input_precision=LORA_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -114,8 +123,8 @@ def _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, s
 @triton.jit
 def _lora_matmul_tma(a_desc, b_desc, c_ptr, z_ptr, l_ptr, r_ptr, bias_ptr, M, N, K, rank, scale, stride_rr, stride_rn,
                      ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, B_K_MAJOR: tl.constexpr,
-                     LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                     LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
                      LORA_PRECISION: tl.constexpr):
     # The same GEMM with tiles fetched by the TMA engine (Hopper): a_desc over A [M, K] in
     # [BM, BK] boxes; b_desc over B [N, K] in [BN, BK] boxes when B_K_MAJOR (x @ W^T), else
@@ -134,7 +143,7 @@ def _lora_matmul_tma(a_desc, b_desc, c_ptr, z_ptr, l_ptr, r_ptr, bias_ptr, M, N,
     low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
                   other=0.0)
     _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, scale, stride_rr, stride_rn,
-              ACT, HAS_BIAS, STORE_Z, LORA_FP32, R, LORA_PRECISION)
+              ACT, HAS_BIAS, STORE_Z, LORA_FP32, ON_PIECES, R, LORA_PRECISION)
 
 
 def _tma_ready(a, b):
@@ -174,6 +183,7 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
     N = b.shape[1]
     r = right.shape[0]
     fp32 = lora_in_fp32(a.dtype, right.dtype)
+    on_pieces = uses_bf16_pieces(a.dtype, right.dtype)
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     # The pre-activation for act'(z) in backward: fp32 when the adapter path is fp32, as in PEFT.
     z = torch.empty(M, N, device=a.device, dtype=torch.float32 if fp32 else a.dtype) if store_z else None
@@ -188,8 +198,8 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
             TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b_host, b_block),
             c, z, low, right, bias, M, N, K, r, scale, right.stride(0), right.stride(1),
             ACT=activation_id, HAS_BIAS=bias is not None, STORE_Z=store_z,
-            B_K_MAJOR=b_k_major, LORA_FP32=fp32, R=padded_rank(r), BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, GROUP_M=group_m, PRECISION=dot_precision(a.dtype),
+            B_K_MAJOR=b_k_major, LORA_FP32=fp32, ON_PIECES=on_pieces, R=padded_rank(r), BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PRECISION=dot_precision(a.dtype),
             LORA_PRECISION=lora_precision(a.dtype, right.dtype), num_warps=warps, num_stages=stages)
         return c, z
     _lora_matmul[grid](
@@ -197,7 +207,7 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), right.stride(0), right.stride(1),
         sw.stride(0) if sw is not None else 0, sw.stride(1) if sw is not None else 0,
         ACT=activation_id, HAS_BIAS=bias is not None, FUSE_SHRINK=sw is not None, MASK_INPUT=mask_input,
-        STORE_Z=store_z, EVEN_K=K % block_k == 0, LORA_FP32=fp32, R=padded_rank(r),
+        STORE_Z=store_z, EVEN_K=K % block_k == 0, LORA_FP32=fp32, ON_PIECES=on_pieces, R=padded_rank(r),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, ROUNDS=PHILOX_ROUNDS,
         PRECISION=dot_precision(a.dtype), LORA_PRECISION=lora_precision(a.dtype, right.dtype),
         num_warps=warps, num_stages=stages)
