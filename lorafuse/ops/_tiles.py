@@ -53,9 +53,10 @@ def lora_in_fp32(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> bool:
 
 
 def lora_precision(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> str:
-    """tl.dot precision of the rank-r products. float32 adapters on a 16-bit base use three
-    tf32 tensor-core passes (fp32-class accuracy; plain fp32 FMA dots measured 4-8x slower
-    than the whole layer's budget); all-float32 inputs stay exact fp32."""
+    """tl.dot precision of the rank-r products that run on float32 tiles. float32 adapters on a 16-bit base use
+    three tf32 tensor-core passes (fp32-class accuracy; plain fp32 FMA dots measured 4-8x slower than the whole
+    layer's budget) where the operands are not bf16 pieces (_bf16_pieces.py: bf16 activations' big products);
+    all-float32 inputs stay exact fp32."""
     if x_dtype == torch.float32:
         return "ieee"
     return "tf32x3" if lora_in_fp32(x_dtype, adapter_dtype) else "tf32"

@@ -138,12 +138,13 @@ def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z
     return y, z
 
 
-def _expand_backward_config(M, N, fp32, sms):
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages, programs). With fp32 adapter math (three tf32 products per tile) the
+def _expand_backward_config(M, N, tf32x3, sms):
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages, programs). With tf32x3 adapter math (three tf32 products per tile) the
     # kernel is compute-heavy: more column splits for wide dy (8192 x 8192: 234 -> 184 us) and narrow tiles for
-    # narrow dy (8192 x 512: 36 -> 28 us), swept on an H200 at Llama-1B shapes; 16-bit math keeps the defaults.
+    # narrow dy (8192 x 512: 36 -> 28 us), swept on an H200 at Llama-1B shapes. 16-bit math and bf16 pieces keep the
+    # defaults (pieces: swept at the four layer shapes of bench_lora_layer.py, H200).
     block_m = 128 if M >= 2048 else 64 if M > 32 else 16
-    if fp32 and M >= 2048:
+    if tf32x3 and M >= 2048:
         return (32, 128, 4, 3, 4 * sms) if N <= 512 else (block_m, 64, 4, 3, 4 * sms)
     return (block_m, 64, 4, 3, 2 * sms)
 
