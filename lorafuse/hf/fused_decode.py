@@ -180,9 +180,10 @@ def _moved_by_another_layout(modules: list[nn.Module], captured: bool) -> bool:
 class StackedLinear:
     """The projections of one input (q/k/v, o, gate/up or down) as one GEMM over [W_1; ...; W_n; A_1; ...]: its
     output row is [y_1 | ... | y_n | s_1 | ...], with s = x A^T for the projections that have an adapter. The kernel
-    after the GEMM adds scale * s B^T (`lora_B`, `scales`: per projection, None / 0 without an adapter)."""
+    after the GEMM adds scale * s B^T (`lora_B`, `scales`: per projection, None / 0 without an adapter), and with
+    bias_in_gemm=False the bias (its input may come with a deferred norm, which scales the rows before the bias)."""
 
-    def __init__(self, modules: list[nn.Module]):
+    def __init__(self, modules: list[nn.Module], bias_in_gemm: bool = True):
         tensors = _stacked_tensors(modules)
         self.weight = stacked_rows(tensors)
         if self.weight is None:  # laid out once, here; a second engine on the model finds it so
@@ -193,10 +194,11 @@ class StackedLinear:
         self.lora_B = tuple(None if a is None else a[1] for a in adapters)
         self.scales = tuple(0.0 if a is None else a[2] for a in adapters)
         self.bias = self._stacked_bias([m.get_base_layer() if type(m) in LORA_LINEARS else m for m in modules])
+        self.bias_in_gemm = bias_in_gemm
 
     def _stacked_bias(self, bases: list[nn.Linear]) -> torch.Tensor | None:
         # [b_1; ...; b_n; 0 for the shrinks], a copy: frozen biases never change at inference (swaps copy lora_A
-        # and lora_B only), and the GEMM's epilogue adds them (Qwen2's q/k/v, Llama with attention_bias)
+        # and lora_B only); the GEMM's epilogue or the kernel after it adds them (Qwen2's q/k/v, Llama's biases)
         if all(base.bias is None for base in bases):
             return None
         weight = self.weight
@@ -206,7 +208,7 @@ class StackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, K] -> [B, sum N + sum r]
-        if self.bias is None:
+        if self.bias is None or not self.bias_in_gemm:
             return x @ self.weight.t()
         return torch.addmm(self.bias, x, self.weight.t())
 
@@ -216,36 +218,47 @@ class FusedLayer:
 
     def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        # the q/k/v and gate/up inputs may come with a deferred norm: their kernels add the bias after its scaling
+        self.qkv = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], bias_in_gemm=False)
         self.o = StackedLinear([attn.o_proj])
-        self.gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj])
+        self.gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj], bias_in_gemm=False)
         self.down = StackedLinear([mlp.down_proj])
+        # With an adapter on o_proj (down_proj) the residual kernel spreads each row over programs; deferring the
+        # norm spares it the wait for the whole row. Not after the last layer: the final norm feeds lm_head.
+        self.defers_attention_norm = self.o.lora_B[0] is not None
+        self.defers_next_norm = self.down.lora_B[0] is not None
         self.input_norm, self.post_attention_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3's
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.n_heads = attn.q_proj.out_features // attn.head_dim
         self.intermediate = mlp.gate_proj.out_features
 
-    def __call__(self, hidden, normed, cos, sin, slot, windows, cache_layer, next_norm: nn.Module) -> None:
+    def __call__(self, hidden, normed, row_norm, cos, sin, slot, windows, cache_layer, next_norm: nn.Module,
+                 last: bool):
+        """Returns the deferred norm of `normed` on exit (see ops/_lora_columns.py), or None."""
         # hidden, normed: [B, H], the residual stream and its input-normed copy, both updated in place (normed by
-        # next_norm on exit); cos, sin: [B, D]; slot: int64 [1]; cache_layer: its keys, values [B, Hkv, L, D]
+        # next_norm on exit); row_norm: normed's deferred norm on entry or None; cos, sin: [B, D]; slot: int64 [1];
+        # cache_layer: its keys, values [B, Hkv, L, D]; last: next_norm is the final norm
         batch = hidden.shape[0]
         q = torch.empty(batch, self.n_heads, 1, self.head_dim, dtype=hidden.dtype, device=hidden.device)
         qk_norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
                                                                    self.q_norm.variance_epsilon)
         rope_cache_write(self.qkv(normed), self.qkv.lora_B, self.qkv.scales, cos, sin, *qk_norms, slot, q,
-                         cache_layer.keys, cache_layer.values)
+                         cache_layer.keys, cache_layer.values, bias=self.qkv.bias, row_norm=row_norm)
         attended = flash_attention(q, cache_layer.keys, cache_layer.values, causal=False, scale=self.scaling,
                                    windows=windows)  # [B, Hq, 1, D]
-        _add_and_norm(self.o, self.o(attended.transpose(1, 2).reshape(batch, -1)), hidden, self.post_attention_norm,
-                      normed)
+        row_norm = _add_and_norm(self.o, self.o(attended.transpose(1, 2).reshape(batch, -1)), hidden,
+                                 self.post_attention_norm, normed, self.defers_attention_norm)
         activated = torch.empty(batch, self.intermediate, dtype=hidden.dtype, device=hidden.device)
-        lora_silu_mul(self.gate_up(normed), self.gate_up.lora_B, self.gate_up.scales, activated)
-        _add_and_norm(self.down, self.down(activated), hidden, next_norm, normed)
+        lora_silu_mul(self.gate_up(normed), self.gate_up.lora_B, self.gate_up.scales, activated,
+                      bias=self.gate_up.bias, row_norm=row_norm)
+        return _add_and_norm(self.down, self.down(activated), hidden, next_norm, normed,
+                             self.defers_next_norm and not last)
 
 
-def _add_and_norm(linear: StackedLinear, proj, hidden, norm: nn.Module, normed) -> None:
-    lora_add_rms_norm(proj, linear.lora_B[0], linear.scales[0], hidden, norm.weight, norm.variance_epsilon, normed)
+def _add_and_norm(linear: StackedLinear, proj, hidden, norm: nn.Module, normed, defer: bool):
+    return lora_add_rms_norm(proj, linear.lora_B[0], linear.scales[0], hidden, norm.weight, norm.variance_epsilon,
+                             normed, defer=defer)
 
 
 class FusedDecoder:
@@ -273,6 +286,8 @@ class FusedDecoder:
         cos, sin = self.rotary(hidden, positions)  # [B, 1, D]: the model's own rope, whatever its scaling
         first = self.layers[0].input_norm
         normed = rms_norm(hidden, first.weight, first.variance_epsilon)
-        for layer, cache_layer, next_norm in zip(self.layers, cache.layers, self.next_norms):
-            layer(hidden, normed, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm)
+        row_norm = None
+        for i, (layer, cache_layer, next_norm) in enumerate(zip(self.layers, cache.layers, self.next_norms)):
+            row_norm = layer(hidden, normed, row_norm, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm,
+                             last=i == len(self.layers) - 1)
         logits.copy_(self.lm_head(normed))

@@ -1,5 +1,9 @@
-"""The Triton helper that the decode-step kernels share: columns of a GEMM row over stacked weights [W; A], plus
-their adapter's expand, read from the same row's shrink s = x A^T."""
+"""The Triton helpers that the decode-step kernels share: columns of a GEMM row over stacked weights [W; A], plus
+their adapter's expand, read from the same row's shrink s = x A^T; and the deferred RMSNorm of a GEMM's input.
+
+Deferred norm: lora_add_rms_norm may hand the next GEMM h * w instead of rms_norm(h) * w, with partial sums of h^2
+(no program then waits for the whole row). A GEMM is linear in its rows, so the kernel after it scales the row,
+the shrink s with it, by rstd = 1 / rms(h), then adds the bias: the same result without a second round trip."""
 import triton
 import triton.language as tl
 
@@ -22,3 +26,23 @@ def columns_with_lora(row_ptr, cols, b_ptr, b_rows, stride_b, rank, s_col, scale
                     other=0.0)
         x += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
     return x
+
+
+def deferred_parts(row_norm, placeholder):
+    """Launch arguments (parts, programs, PARTS, width, eps) of a deferred norm (parts [M, programs] fp32, width,
+    eps) from lora_add_rms_norm, or of none (PARTS 0: `placeholder` as the unread pointer)."""
+    if row_norm is None:
+        return placeholder, 0, 0, 1, 0.0
+    parts, width, eps = row_norm
+    return parts, parts.shape[1], triton.next_power_of_2(parts.shape[1]), width, float(eps)
+
+
+@triton.jit
+def row_rstd(parts_ptr, row, programs, width, eps, PARTS: tl.constexpr):
+    # 1 / rms of a row of `width` from its partial sums of squares (parts: [M, programs] fp32; PARTS: a power of two
+    # >= programs); PARTS = 0: 1 (no deferred norm: the GEMM's input came normalized)
+    if PARTS == 0:
+        return 1.0
+    offs = tl.arange(0, PARTS)
+    parts = tl.load(parts_ptr + row * programs + offs, mask=offs < programs, other=0.0)
+    return tl.rsqrt(tl.sum(parts, axis=0) / width + eps)

@@ -6,7 +6,8 @@ scaling, two adds and the norm's seven kernels here; at decode sizes each moves 
 the cost. Without an adapter one program holds a whole row (the norm needs all of it), as rms_norm does. With one,
 reading B ([N, r]) from one program costs more than the rest of the kernel (2-3x on an H200), so the row's columns
 are spread over programs: each adds its columns and stores its partial sum of squares, and the last program of the
-row to finish (an atomic count) normalizes the whole row.
+row to finish (an atomic count) normalizes the whole row. With `defer` no program waits for the row: each writes
+h * w for its columns and its partial sum, and the kernel after the next GEMM scales by rstd (_lora_columns.py).
 """
 import torch
 import triton
@@ -18,15 +19,21 @@ from .rms_norm import MAX_WIDTH, rms_norm_reference, row_warps
 LORA_BLOCK = 256  # columns per program with an adapter
 
 
-def lora_add_rms_norm_reference(proj, lora_B, scale, residual, weight, eps, normed):
+def lora_add_rms_norm_reference(proj, lora_B, scale, residual, weight, eps, normed, defer=False):
     # proj: [M, N + r] ([y | s]); lora_B: [N, r] or None (no adapter: r = 0); residual: [M, N], updated in place to
-    # h = residual + y + scale * s B^T; weight: [N]; normed: [M, N] <- rms_norm(h) * weight
+    # h = residual + y + scale * s B^T; weight: [N]; normed: [M, N] <- rms_norm(h) * weight, or with defer h * weight,
+    # and returns (sums of h^2 [M, 1] fp32, N, eps): what the kernel after the next GEMM scales its rows by
     n = residual.shape[1]
     y = proj[:, :n]
     if lora_B is not None:
         y = y + scale * (proj[:, n:] @ lora_B.t())
     residual += y
-    normed.copy_(rms_norm_reference(residual, weight, eps))
+    if not defer:
+        normed.copy_(rms_norm_reference(residual, weight, eps))
+        return None
+    h = residual.float()
+    normed.copy_(h * weight.float())
+    return h.pow(2).sum(-1, keepdim=True), n, eps
 
 
 @triton.jit
@@ -42,10 +49,11 @@ def _store_normed(x, cols, mask, res_ptr, w_ptr, out_ptr, row, N, stride_out, su
 @triton.jit
 def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count_ptr, N, rank, stride_proj, stride_b,
                        stride_res, stride_out, scale, eps, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PARTS: tl.constexpr, R: tl.constexpr):
+                       PARTS: tl.constexpr, DEFER: tl.constexpr, R: tl.constexpr):
     # grid: (M, programs per row), BLOCK columns each; PARTS: a power of two >= programs per row, 1 when a program
     # takes the whole row (BLOCK = BLOCK_N). proj: [M, N + rank], B: [N, rank], residual, out: [M, N] (unit column
-    # strides); part: fp32 [M, PARTS] and count: int32 [M], zero (both unread when PARTS = 1)
+    # strides); part: fp32 [M, PARTS] and count: int32 [M], zero (both unread when PARTS = 1). DEFER: out <- h * w,
+    # part: fp32 [M, programs] <- each program's sum of squares (count unread)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -54,7 +62,11 @@ def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count
     h = h.to(res_ptr.dtype.element_ty)
     tl.store(res_ptr + row * stride_res + cols, h, mask=mask)
     x = h.to(tl.float32)
-    if PARTS == 1:  # the whole row is here
+    if DEFER:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (x * w).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(part_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.sum(x * x, axis=0))
+    elif PARTS == 1:  # the whole row is here
         _store_normed(x, cols, mask, res_ptr, w_ptr, out_ptr, row, N, stride_out, tl.sum(x * x, axis=0), eps)
     else:
         programs = tl.num_programs(1)
@@ -85,8 +97,9 @@ def _zeroed_counts(device: torch.device, rows: int) -> torch.Tensor:
     return counts
 
 
-def lora_add_rms_norm(proj, lora_B, scale, residual, weight, eps, normed):
-    """lora_add_rms_norm_reference's writes in one launch."""
+def lora_add_rms_norm(proj, lora_B, scale, residual, weight, eps, normed, defer=False):
+    """lora_add_rms_norm_reference's writes in one launch; with defer, returns (parts [M, programs] fp32, N, eps) for
+    the kernel after the next GEMM (rope_cache_write, lora_silu_mul: row_norm)."""
     # shapes: see lora_add_rms_norm_reference
     M, N = residual.shape
     rank = 0 if lora_B is None else lora_B.shape[1]
@@ -99,13 +112,18 @@ def lora_add_rms_norm(proj, lora_B, scale, residual, weight, eps, normed):
         raise ValueError("lora_add_rms_norm: every operand needs a unit last stride")
     block = triton.next_power_of_2(N)
     r_tile = rank_tile(rank)
-    columns = min(LORA_BLOCK, block) if r_tile else block
+    columns = min(LORA_BLOCK, block) if r_tile or defer else block
     programs = triton.cdiv(N, columns)  # per row
     parts = triton.next_power_of_2(programs)
-    split = (torch.empty(M, parts, dtype=torch.float32, device=proj.device), _zeroed_counts(proj.device, M)) \
-        if programs > 1 else (proj, proj)  # one program per row: any pointers, unread
+    if defer:
+        split = (torch.empty(M, programs, dtype=torch.float32, device=proj.device), proj)  # count unread
+    elif programs > 1:
+        split = (torch.empty(M, parts, dtype=torch.float32, device=proj.device), _zeroed_counts(proj.device, M))
+    else:
+        split = (proj, proj)  # one program per row: any pointers, unread
     _lora_add_rms_norm[(M, programs)](
         proj, proj if lora_B is None else lora_B, residual, weight, normed, *split, N, rank,
         proj.stride(0), 0 if lora_B is None else lora_B.stride(0), residual.stride(0), normed.stride(0), float(scale),
-        float(eps), BLOCK=columns, BLOCK_N=block, PARTS=parts, R=r_tile,
+        float(eps), BLOCK=columns, BLOCK_N=block, PARTS=parts, DEFER=defer, R=r_tile,
         num_warps=4 if programs > 1 else row_warps(block))
+    return (split[0], N, eps) if defer else None

@@ -2,48 +2,65 @@
 y = silu(gate + scale_g * s_g B_g^T) * (up + scale_u * s_u B_u^T).
 
 Input is the row of one GEMM over the stacked weights [W_gate; W_up; A_gate; A_up]: [gate | up | s_gate | s_up]
-(an s for each projection that has an adapter). silu_mul is the same product without the adapters.
+(an s for each projection that has an adapter). silu_mul is the same product without the adapters. With a deferred
+norm (row_norm, see _lora_columns.py) each row is scaled by its rstd before the bias is added.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import columns_with_lora, rank_tile
+from ._lora_columns import columns_with_lora, deferred_parts, rank_tile, row_rstd
 from .silu_mul import silu_mul_reference
 
 BLOCK = 1024  # columns per program: a decode row of an MLP (a few thousand) spreads over a few programs per row
 LORA_BLOCK = 128  # with adapters: a program also holds [columns, rank] tiles of B (128: fastest of 64-512, H200)
 
 
-def lora_silu_mul_reference(proj, lora_B, scales, out):
+def lora_silu_mul_reference(proj, lora_B, scales, out, bias=None, row_norm=None):
     # proj: [M, 2 I + r_g + r_u] ([gate | up | s_gate | s_up]); lora_B: (B_gate [I, r_g], B_up [I, r_u]), None
-    # where a projection has no adapter; scales: 2 floats; out: [M, I] <- silu(gate') * up'
+    # where a projection has no adapter; scales: 2 floats; bias: [>= 2 I] ([b_gate | b_up | ...]) or None;
+    # row_norm: (parts [M, P], width, eps) of a deferred norm or None; out: [M, I] <- silu(gate') * up'
     width = out.shape[1]
+    rstd = 1.0
+    if row_norm is not None:
+        parts, norm_width, eps = row_norm
+        rstd = torch.rsqrt(parts.sum(-1, keepdim=True) / norm_width + eps)
     halves, s_start = [], 2 * width
     for start, B, scale in zip((0, width), lora_B, scales):
         half = proj[:, start:start + width]
         if B is not None:
             half = half + scale * (proj[:, s_start:s_start + B.shape[1]] @ B.t())
             s_start += B.shape[1]
+        if row_norm is not None:
+            half = (half.float() * rstd).to(half.dtype)
+        if bias is not None:
+            half = half + bias[start:start + width]
         halves.append(half)
     out.copy_(silu_mul_reference(*halves))
 
 
 @triton.jit
-def _lora_silu_mul(proj_ptr, bg_ptr, bu_ptr, out_ptr, width, rank_g, rank_u, stride_proj, stride_bg, stride_bu,
-                   stride_out, scale_g, scale_u, BLOCK: tl.constexpr, R: tl.constexpr):
-    # grid: (M, column blocks); proj: [M, 2 width + rank_g + rank_u], B_g: [width, rank_g], B_u: [width, rank_u]
+def _lora_silu_mul(proj_ptr, bg_ptr, bu_ptr, bias_ptr, parts_ptr, out_ptr, width, rank_g, rank_u, stride_proj,
+                   stride_bg, stride_bu, stride_out, scale_g, scale_u, programs, norm_width, eps, BLOCK: tl.constexpr,
+                   R: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr):
+    # grid: (M, column blocks); proj: [M, 2 width + rank_g + rank_u], B_g: [width, rank_g], B_u: [width, rank_u];
+    # bias: [2 width] (HAS_BIAS); parts: [M, programs] sums of squares of a deferred norm (PARTS > 0)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     proj = proj_ptr + row * stride_proj
-    gate = columns_with_lora(proj, cols, bg_ptr, cols, stride_bg, rank_g, 2 * width, scale_g, mask, R)
-    up = columns_with_lora(proj, width + cols, bu_ptr, cols, stride_bu, rank_u, 2 * width + rank_g, scale_u, mask, R)
+    rstd = row_rstd(parts_ptr, row, programs, norm_width, eps, PARTS)
+    gate = rstd * columns_with_lora(proj, cols, bg_ptr, cols, stride_bg, rank_g, 2 * width, scale_g, mask, R)
+    up = rstd * columns_with_lora(proj, width + cols, bu_ptr, cols, stride_bu, rank_u, 2 * width + rank_g, scale_u,
+                                  mask, R)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + width + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as transformers' silu
     tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def lora_silu_mul(proj: torch.Tensor, lora_B, scales, out: torch.Tensor) -> None:
+def lora_silu_mul(proj: torch.Tensor, lora_B, scales, out: torch.Tensor, bias=None, row_norm=None) -> None:
     """lora_silu_mul_reference's write in one launch."""
     # shapes: see lora_silu_mul_reference
     M, width = out.shape
@@ -56,6 +73,8 @@ def lora_silu_mul(proj: torch.Tensor, lora_B, scales, out: torch.Tensor) -> None
     bs = [proj if B is None else B for B in lora_B]  # no adapter: rank 0 (B unread), any pointer
     r_tile = rank_tile(*ranks)
     block = LORA_BLOCK if r_tile else BLOCK
+    parts, programs, parts_tile, norm_width, eps = deferred_parts(row_norm, proj)
     _lora_silu_mul[(M, triton.cdiv(width, block))](
-        proj, *bs, out, width, *ranks, proj.stride(0), *(B.stride(0) for B in bs), out.stride(0),
-        *map(float, scales), BLOCK=block, R=r_tile, num_warps=4)
+        proj, *bs, proj if bias is None else bias, parts, out, width, *ranks, proj.stride(0),
+        *(B.stride(0) for B in bs), out.stride(0), *map(float, scales), programs, norm_width, eps, BLOCK=block,
+        R=r_tile, HAS_BIAS=bias is not None, PARTS=parts_tile, num_warps=4)

@@ -64,3 +64,23 @@ def test_split_rows_leave_their_counts_zeroed():
         torch.testing.assert_close(residual, expected_residual, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(normed, expected, rtol=1e-6, atol=1e-6)
         assert not _counts[residual.device][:m].any()
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_deferred_norm(case):
+    # defer: normed <- h * w and each program's sum of squares of h; the kernel after the next GEMM scales by
+    # rstd = 1 / rms(h) from those sums, which gives back rms_norm(h) * w
+    m, n, r = case
+    inputs = {"proj": torch.randn(m, n + (r or 0)), "lora_B": None if r is None else torch.randn(n, r) / r**0.5,
+              "scale": SCALE, "weight": torch.rand(n) + 0.5, "eps": EPS}
+    start = torch.randn(m, n) * 3
+    residual, normed = start.clone(), poison(torch.empty(m, n))
+    parts, width, eps = lora_add_rms_norm(**inputs, residual=residual, normed=normed, defer=True)
+    assert parts.dtype == torch.float32 and parts.shape[0] == m and (width, eps) == (n, EPS)
+    exact = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
+    exact_residual, exact_normed = start.double(), torch.empty(m, n, dtype=torch.float64)
+    lora_add_rms_norm_reference(**exact, residual=exact_residual, normed=exact_normed)
+    assert_close(residual, exact_residual, torch.float32, name="residual")
+    assert_close(normed, exact_residual * exact["weight"], torch.float32, name="h * w")
+    rstd = torch.rsqrt(parts.double().sum(-1, keepdim=True) / width + eps)
+    assert_close(normed * rstd, exact_normed, torch.float32, name="rstd * h * w")

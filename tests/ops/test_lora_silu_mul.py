@@ -18,15 +18,20 @@ def case_id(case):
 def run(fn, inputs, dtype):
     proj, lora_B = inputs["proj"].to(dtype), tuple(None if B is None else B.to(dtype) for B in inputs["lora_B"])
     out = poison(torch.empty(proj.shape[0], inputs["width"], dtype=dtype))
-    fn(proj, lora_B, SCALES, out)
+    bias = inputs.get("bias")
+    fn(proj, lora_B, SCALES, out, bias=None if bias is None else bias.to(dtype), row_norm=inputs.get("row_norm"))
     return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("deferred", [False, True], ids=["", "bias_deferred_norm"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_output_matches_reference(case, dtype):
+def test_output_matches_reference(case, deferred, dtype):
+    # deferred: a bias and a deferred norm of the GEMM's input (partial sums of squares of 3 programs)
     m, width, ranks = case
     inputs = {"proj": torch.randn(m, 2 * width + sum(r or 0 for r in ranks)) * 2, "width": width,
               "lora_B": tuple(None if r is None else torch.randn(width, r) / r**0.5 for r in ranks)}
+    if deferred:
+        inputs.update(bias=torch.randn(2 * width), row_norm=(torch.rand(m, 3) * 40 + 1, 50, 1e-6))
     plain = run(lora_silu_mul_reference, inputs, dtype) if dtype != torch.float32 else None
     assert_close(run(lora_silu_mul, inputs, dtype), run(lora_silu_mul_reference, inputs, torch.float64), dtype, plain)

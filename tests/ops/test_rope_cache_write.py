@@ -19,8 +19,9 @@ def case_id(case):
     return f"B{rows}_Hq{hq}_Hkv{hkv}_D{d}_r{'-'.join(str(r or 0) for r in ranks)}"
 
 
-def random_inputs(rows, hq, hkv, d, ranks, qk_norm):
-    """The GEMM row [q | k | v | s...], adapters, rope tables of random positions, norms, a slot, the buffers."""
+def random_inputs(rows, hq, hkv, d, ranks, qk_norm, deferred=False):
+    """The GEMM row [q | k | v | s...], adapters, rope tables of random positions, norms, a slot, the buffers; with
+    deferred also a bias and a deferred norm of the GEMM's input (partial sums of squares of 3 programs)."""
     widths = (hq * d, hkv * d, hkv * d)
     angles = torch.rand(rows, d // 2) * 40
     angles = torch.cat([angles, angles], -1)  # as transformers' rotary_emb: the two halves share frequencies
@@ -29,7 +30,9 @@ def random_inputs(rows, hq, hkv, d, ranks, qk_norm):
             "scales": SCALES, "cos": angles.cos(), "sin": angles.sin(),
             "q_norm": torch.rand(d) + 0.5 if qk_norm else None, "k_norm": torch.rand(d) + 0.5 if qk_norm else None,
             "eps": EPS, "slot": torch.tensor([LENGTH - 3]), "q_out": torch.empty(rows, hq, 1, d),
-            "k_cache": torch.randn(rows, hkv, LENGTH, d), "v_cache": torch.randn(rows, hkv, LENGTH, d)}
+            "k_cache": torch.randn(rows, hkv, LENGTH, d), "v_cache": torch.randn(rows, hkv, LENGTH, d),
+            **({"bias": torch.randn(sum(widths)), "row_norm": (torch.rand(rows, 3) * 40 + 1, 50, EPS)} if deferred
+               else {})}
 
 
 def in_dtype(inputs, dtype):
@@ -40,10 +43,11 @@ def in_dtype(inputs, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("deferred", [False, True], ids=["", "bias_deferred_norm"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_writes_match_reference(case, qk_norm, dtype):
-    inputs = random_inputs(*case, qk_norm)
+def test_writes_match_reference(case, qk_norm, deferred, dtype):
+    inputs = random_inputs(*case, qk_norm, deferred)
     got, exact = in_dtype(inputs, dtype), in_dtype(inputs, torch.float64)
     poison(got["q_out"])
     rope_cache_write(**got)
