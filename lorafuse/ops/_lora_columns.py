@@ -42,7 +42,9 @@ def row_rstd(parts_ptr, row, programs, width, eps, PARTS: tl.constexpr):
     # 1 / rms of a row of `width` from its partial sums of squares (parts: [M, programs] fp32; PARTS: a power of two
     # >= programs); PARTS = 0: 1 (no deferred norm: the GEMM's input came normalized)
     if PARTS == 0:
-        return 1.0
-    offs = tl.arange(0, PARTS)
-    parts = tl.load(parts_ptr + row * programs + offs, mask=offs < programs, other=0.0)
-    return tl.rsqrt(tl.sum(parts, axis=0) / width + eps)
+        rstd = 1.0
+    else:
+        offs = tl.arange(0, PARTS)
+        parts = tl.load(parts_ptr + row * programs + offs, mask=offs < programs, other=0.0)
+        rstd = tl.rsqrt(tl.sum(parts, axis=0) / width + eps)
+    return rstd
