@@ -2,16 +2,19 @@
 Qwen2 or Qwen3 decoder stack in ten launches per layer, instead of transformers' ~300 small kernels per token.
 
 Per layer, with h the residual stream and x its normed copy (both updated in place):
-  1. one GEMM of x with [Wq; Wk; Wv; Aq; Ak; Av] (+ the stacked q/k/v bias): q, k, v and the adapters' shrinks;
-  2. ops.rope_cache_write: LoRA expand, Qwen3's q/k norms, rotary embedding, q to a buffer, k and v into the
-     StaticCache's layer tensors at the step's slot;
+  1. one GEMM of x with [Wq; Wk; Wv; Aq; Ak; Av]: q, k, v and the adapters' shrinks;
+  2. ops.rope_cache_write: LoRA expand, the q/k/v bias, Qwen3's q/k norms, rotary embedding, q to a buffer, k and v
+     into the StaticCache's layer tensors at the step's slot;
   3. ops.flash_attention (its flash-decoding kernels, two launches) over the cache, on the step's windows;
   4. one GEMM with [Wo; Ao], then ops.lora_add_rms_norm: h += o + LoRA, x = post-attention norm of h;
   5. one GEMM with [Wg; Wu; Ag; Au], then ops.lora_silu_mul;
   6. one GEMM with [Wd; Ad], then ops.lora_add_rms_norm with the next layer's input norm (the final norm after the
      last layer), so that no layer starts with a norm of its own.
 Merged and unmerged adapters run the same launches: an unmerged adapter adds rank-r rows to the GEMMs and a few
-multiply-adds inside the kernels after them. Prefill stays on transformers' forward; both write the same cache.
+multiply-adds inside the kernels after them. With an adapter on o_proj (down_proj) the residual kernel spreads each
+row over programs and defers the norm: x leaves as h * w with partial sums of h^2, and the kernel after the next
+GEMM (5, or 2 of the next layer) scales its rows by rstd before adding the bias (ops/_lora_columns.py). Prefill
+stays on transformers' forward; both write the same cache.
 
 The weights of each GEMM are stored one after another in one buffer (`StackedLinear`), and the modules' parameters
 re-pointed to views of it, so that PEFT, swap_adapter (which copies into lora_A and lora_B in place) and the user's
