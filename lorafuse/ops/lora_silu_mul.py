@@ -70,6 +70,8 @@ def lora_silu_mul(proj: torch.Tensor, lora_B, scales, out: torch.Tensor, bias=No
                          f"[{M}, {2 * width + sum(ranks)}] for out {tuple(out.shape)} and adapters of ranks {ranks}")
     if {proj.stride(1), out.stride(1)} | {B.stride(1) for B in lora_B if B is not None} != {1}:
         raise ValueError("lora_silu_mul: every operand needs a unit last stride")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] < 2 * width or bias.stride(0) != 1):
+        raise ValueError(f"lora_silu_mul: bias {tuple(bias.shape)} must be contiguous [>= 2 I] = [>= {2 * width}]")
     bs = [proj if B is None else B for B in lora_B]  # no adapter: rank 0 (B unread), any pointer
     r_tile = rank_tile(*ranks)
     block = LORA_BLOCK if r_tile else BLOCK

@@ -157,6 +157,9 @@ def rope_cache_write(qkv, lora_B, scales, cos, sin, q_norm, k_norm, eps, slot, q
     _check(qkv, lora_B, cos, sin, q_out, k_cache, v_cache)
     batch, n_heads, _, d = q_out.shape
     n_kv = k_cache.shape[1]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] < (n_heads + 2 * n_kv) * d or bias.stride(0) != 1):
+        raise ValueError(f"rope_cache_write: bias {tuple(bias.shape)} must be contiguous [>= (Hq + 2 Hkv) * D] = "
+                         f"[>= {(n_heads + 2 * n_kv) * d}]")
     # a projection without an adapter: rank 0 (B unread), any pointer
     bs = [qkv if B is None else B for B in lora_B]
     ranks = [0 if B is None else B.shape[1] for B in lora_B]
