@@ -183,10 +183,10 @@ def _moved_by_another_layout(modules: list[nn.Module], captured: bool) -> bool:
 class StackedLinear:
     """The projections of one input (q/k/v, o, gate/up or down) as one GEMM over [W_1; ...; W_n; A_1; ...]: its
     output row is [y_1 | ... | y_n | s_1 | ...], with s = x A^T for the projections that have an adapter. The kernel
-    after the GEMM adds scale * s B^T (`lora_B`, `scales`: per projection, None / 0 without an adapter), and with
-    bias_in_gemm=False the bias (its input may come with a deferred norm, which scales the rows before the bias)."""
+    after the GEMM adds scale * s B^T (`lora_B`, `scales`: per projection, None / 0 without an adapter), and the bias
+    where the input comes with a deferred norm (which scales the rows first; bias_in_gemm False)."""
 
-    def __init__(self, modules: list[nn.Module], bias_in_gemm: bool = True):
+    def __init__(self, modules: list[nn.Module]):
         tensors = _stacked_tensors(modules)
         self.weight = stacked_rows(tensors)
         if self.weight is None:  # laid out once, here; a second engine on the model finds it so
@@ -197,7 +197,7 @@ class StackedLinear:
         self.lora_B = tuple(None if a is None else a[1] for a in adapters)
         self.scales = tuple(0.0 if a is None else a[2] for a in adapters)
         self.bias = self._stacked_bias([m.get_base_layer() if type(m) in LORA_LINEARS else m for m in modules])
-        self.bias_in_gemm = bias_in_gemm
+        self.bias_in_gemm = True  # FusedLayer / FusedDecoder clear it where the input comes with a deferred norm
 
     def _stacked_bias(self, bases: list[nn.Linear]) -> torch.Tensor | None:
         # [b_1; ...; b_n; 0 for the shrinks], a copy: frozen biases never change at inference (swaps copy lora_A
@@ -208,6 +208,10 @@ class StackedLinear:
         parts = [torch.zeros(b.out_features, dtype=weight.dtype, device=weight.device) if b.bias is None
                  else b.bias.detach() for b in bases]
         return torch.cat(parts + [weight.new_zeros(weight.shape[0] - sum(b.out_features for b in bases))])
+
+    def bias_after(self) -> torch.Tensor | None:
+        """The bias for the kernel after the GEMM to add, or None (none, or the GEMM adds it)."""
+        return None if self.bias_in_gemm else self.bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, K] -> [B, sum N + sum r]
@@ -221,42 +225,44 @@ class FusedLayer:
 
     def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
-        # the q/k/v and gate/up inputs may come with a deferred norm: their kernels add the bias after its scaling
-        self.qkv = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], bias_in_gemm=False)
+        # the q/k/v and gate/up inputs may come with a deferred norm: then their kernels add the bias after its scaling
+        self.qkv = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = StackedLinear([attn.o_proj])
-        self.gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj], bias_in_gemm=False)
+        self.gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj])
         self.down = StackedLinear([mlp.down_proj])
         # With an adapter on o_proj (down_proj) the residual kernel spreads each row over programs; deferring the
-        # norm spares it the wait for the whole row. Not after the last layer: the final norm feeds lm_head.
-        self.defers_attention_norm = self.o.lora_B[0] is not None
-        self.defers_next_norm = self.down.lora_B[0] is not None
+        # norm spares it the wait for the whole row. Not after the last layer (the final norm feeds lm_head: see
+        # FusedDecoder), nor in fp16, whose range may not hold rows scaled by rms(h) (bf16's is fp32's). An input
+        # that comes normalized keeps its bias in the GEMM's epilogue, rounded once as transformers' linear does.
+        can_defer = self.qkv.weight.dtype != torch.float16
+        self.defers_attention_norm = can_defer and self.o.lora_B[0] is not None
+        self.defers_next_norm = can_defer and self.down.lora_B[0] is not None
+        self.gate_up.bias_in_gemm = not self.defers_attention_norm
         self.input_norm, self.post_attention_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3's
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.n_heads = attn.q_proj.out_features // attn.head_dim
         self.intermediate = mlp.gate_proj.out_features
 
-    def __call__(self, hidden, normed, row_norm, cos, sin, slot, windows, cache_layer, next_norm: nn.Module,
-                 last: bool):
+    def __call__(self, hidden, normed, row_norm, cos, sin, slot, windows, cache_layer, next_norm: nn.Module):
         """Returns the deferred norm of `normed` on exit (see ops/_lora_columns.py), or None."""
         # hidden, normed: [B, H], the residual stream and its input-normed copy, both updated in place (normed by
         # next_norm on exit); row_norm: normed's deferred norm on entry or None; cos, sin: [B, D]; slot: int64 [1];
-        # cache_layer: its keys, values [B, Hkv, L, D]; last: next_norm is the final norm
+        # cache_layer: its keys, values [B, Hkv, L, D]
         batch = hidden.shape[0]
         q = torch.empty(batch, self.n_heads, 1, self.head_dim, dtype=hidden.dtype, device=hidden.device)
         qk_norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
                                                                    self.q_norm.variance_epsilon)
         rope_cache_write(self.qkv(normed), self.qkv.lora_B, self.qkv.scales, cos, sin, *qk_norms, slot, q,
-                         cache_layer.keys, cache_layer.values, bias=self.qkv.bias, row_norm=row_norm)
+                         cache_layer.keys, cache_layer.values, bias=self.qkv.bias_after(), row_norm=row_norm)
         attended = flash_attention(q, cache_layer.keys, cache_layer.values, causal=False, scale=self.scaling,
                                    windows=windows)  # [B, Hq, 1, D]
         row_norm = _add_and_norm(self.o, self.o(attended.transpose(1, 2).reshape(batch, -1)), hidden,
                                  self.post_attention_norm, normed, self.defers_attention_norm)
         activated = torch.empty(batch, self.intermediate, dtype=hidden.dtype, device=hidden.device)
         lora_silu_mul(self.gate_up(normed), self.gate_up.lora_B, self.gate_up.scales, activated,
-                      bias=self.gate_up.bias, row_norm=row_norm)
-        return _add_and_norm(self.down, self.down(activated), hidden, next_norm, normed,
-                             self.defers_next_norm and not last)
+                      bias=self.gate_up.bias_after(), row_norm=row_norm)
+        return _add_and_norm(self.down, self.down(activated), hidden, next_norm, normed, self.defers_next_norm)
 
 
 def _add_and_norm(linear: StackedLinear, proj, hidden, norm: nn.Module, normed, defer: bool):
@@ -274,6 +280,9 @@ class FusedDecoder:
         self.embed, self.lm_head = lm.get_input_embeddings(), lm.get_output_embeddings()
         self.rotary, self.final_norm = lm.model.rotary_emb, lm.model.norm
         self.layers = [FusedLayer(layer) for layer in lm.model.layers]
+        self.layers[-1].defers_next_norm = False  # the final norm feeds lm_head
+        for previous, layer in zip(self.layers, self.layers[1:]):
+            layer.qkv.bias_in_gemm = not previous.defers_next_norm
         # each layer ends with the next one's input norm (the final norm after the last): no layer starts with one
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
 
@@ -290,7 +299,6 @@ class FusedDecoder:
         first = self.layers[0].input_norm
         normed = rms_norm(hidden, first.weight, first.variance_epsilon)
         row_norm = None
-        for i, (layer, cache_layer, next_norm) in enumerate(zip(self.layers, cache.layers, self.next_norms)):
-            row_norm = layer(hidden, normed, row_norm, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm,
-                             last=i == len(self.layers) - 1)
+        for layer, cache_layer, next_norm in zip(self.layers, cache.layers, self.next_norms):
+            row_norm = layer(hidden, normed, row_norm, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm)
         logits.copy_(self.lm_head(normed))

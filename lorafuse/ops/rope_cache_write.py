@@ -25,9 +25,10 @@ def rope_cache_write_reference(qkv, lora_B, scales, cos, sin, q_norm, k_norm, ep
     batch, n_heads, _, d = q_out.shape
     widths = (n_heads * d, k_cache.shape[1] * d, k_cache.shape[1] * d)
     rstd = None
+    wide = torch.promote_types(qkv.dtype, torch.float32)  # rstd's precision: fp32, or float64 for an exact reference
     if row_norm is not None:
         parts, norm_width, norm_eps = row_norm
-        rstd = torch.rsqrt(parts.sum(-1, keepdim=True) / norm_width + norm_eps)
+        rstd = torch.rsqrt(parts.to(wide).sum(-1, keepdim=True) / norm_width + norm_eps)
     outputs, start, s_start = [], 0, sum(widths)
     for width, B, scale in zip(widths, lora_B, scales):
         out = qkv[:, start:start + width]
@@ -35,7 +36,7 @@ def rope_cache_write_reference(qkv, lora_B, scales, cos, sin, q_norm, k_norm, ep
             out = out + scale * (qkv[:, s_start:s_start + B.shape[1]] @ B.t())
             s_start += B.shape[1]
         if rstd is not None:
-            out = (out.float() * rstd).to(out.dtype)
+            out = (out.to(wide) * rstd).to(out.dtype)
         if bias is not None:
             out = out + bias[start:start + width]
         outputs.append(out.view(batch, -1, d))
