@@ -19,8 +19,9 @@ def test_pieces_sum_to_the_float32_values():
 
 
 def test_rank_products_on_pieces_are_float32_accurate():
-    # each product within 2x PyTorch's own float32 computation of it (about 1e-7 here): without the lo piece the
-    # error would be ~2.5e-6, without mid ~1e-3
+    # each product within 2x PyTorch's own float32 computation of it (about 1e-7 here) plus 1e-6 for the tensor
+    # cores' accumulation (5.7e-7 measured on an H200; the interpreter's is exact fp32): without the lo piece the error
+    # would be ~2.5e-6, without mid ~1e-3
     m, k, n, r, scale = 113, 100, 72, 8, 0.5
     x = torch.randn(m, k).bfloat16()
     A, B = torch.randn(r, k) / k**0.5, torch.randn(n, r) / r**0.5
@@ -35,4 +36,4 @@ def test_rank_products_on_pieces_are_float32_accurate():
     }
     for name, (got, plain, exact) in products.items():
         err, plain_err = rel_err(got, exact), rel_err(plain, exact)
-        assert err <= 2 * plain_err + 1e-9, f"{name}: relative error {err:.2e} > 2 x PyTorch fp32's {plain_err:.2e}"
+        assert err <= 2 * plain_err + 1e-6, f"{name}: relative error {err:.2e} > 2 x PyTorch fp32's {plain_err:.2e}"
