@@ -2,9 +2,10 @@
 Qwen2 or Qwen3 decoder stack in ten launches per layer, instead of transformers' ~300 small kernels per token.
 
 Per layer, with h the residual stream and x its normed copy (both updated in place):
-  1. one GEMM of x with [Wq; Wk; Wv; Aq; Ak; Av]: q, k, v and the adapters' shrinks;
-  2. ops.rope_cache_write: LoRA expand, the q/k/v bias, Qwen3's q/k norms, rotary embedding, q to a buffer, k and v
-     into the StaticCache's layer tensors at the step's slot;
+  1. one GEMM of x with [Wq; Wk; Wv; Aq; Ak; Av] (+ the stacked q/k/v bias, unless the norm of x was deferred): q,
+     k, v and the adapters' shrinks;
+  2. ops.rope_cache_write: LoRA expand (and rstd and the bias, where deferred), Qwen3's q/k norms, rotary embedding,
+     q to a buffer, k and v into the StaticCache's layer tensors at the step's slot;
   3. ops.flash_attention (its flash-decoding kernels, two launches) over the cache, on the step's windows;
   4. one GEMM with [Wo; Ao], then ops.lora_add_rms_norm: h += o + LoRA, x = post-attention norm of h;
   5. one GEMM with [Wg; Wu; Ag; Au], then ops.lora_silu_mul;
