@@ -4,6 +4,7 @@ their adapter's expand, read from the same row's shrink s = x A^T; and the defer
 Deferred norm: lora_add_rms_norm may hand the next GEMM h * w instead of rms_norm(h) * w, with partial sums of h^2
 (no program then waits for the whole row). A GEMM is linear in its rows, so the kernel after it scales the row,
 the shrink s with it, by rstd = 1 / rms(h), then adds the bias: the same result without a second round trip."""
+import torch
 import triton
 import triton.language as tl
 
@@ -48,3 +49,28 @@ def row_rstd(parts_ptr, row, programs, width, eps, PARTS: tl.constexpr):
         parts = tl.load(parts_ptr + row * programs + offs, mask=offs < programs, other=0.0)
         rstd = tl.rsqrt(tl.sum(parts, axis=0) / width + eps)
     return rstd
+
+
+def projections_reference(row, widths, lora_B, scales, bias=None, row_norm=None):
+    """The projections of a GEMM row over [W_1; ...; W_n; A...] as the decode-step kernels compute them, in the row's
+    dtype: y_i + scale_i * s_i B_i^T, times the deferred norm's rstd, plus the bias (the references' common part)."""
+    # row: [M, sum widths + ranks] ([y_1 | ... | y_n | s...], an s per projection with an adapter); lora_B: per
+    # projection [width_i, r_i] or None; bias: [>= sum widths] or None; row_norm: (parts [M, P], width, eps) or None
+    wide = torch.promote_types(row.dtype, torch.float32)  # rstd's precision: fp32, or float64 for an exact reference
+    rstd = None
+    if row_norm is not None:
+        parts, norm_width, eps = row_norm
+        rstd = torch.rsqrt(parts.to(wide).sum(-1, keepdim=True) / norm_width + eps)
+    outputs, start, s_start = [], 0, sum(widths)
+    for width, B, scale in zip(widths, lora_B, scales):
+        out = row[:, start:start + width]
+        if B is not None:
+            out = out + scale * (row[:, s_start:s_start + B.shape[1]] @ B.t())
+            s_start += B.shape[1]
+        if rstd is not None:
+            out = (out.to(wide) * rstd).to(out.dtype)
+        if bias is not None:
+            out = out + bias[start:start + width]
+        outputs.append(out)
+        start += width
+    return outputs

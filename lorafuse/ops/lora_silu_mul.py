@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import columns_with_lora, deferred_parts, rank_tile, row_rstd
+from ._lora_columns import columns_with_lora, deferred_parts, projections_reference, rank_tile, row_rstd
 from .silu_mul import silu_mul_reference
 
 BLOCK = 1024  # columns per program: a decode row of an MLP (a few thousand) spreads over a few programs per row
@@ -21,22 +21,7 @@ def lora_silu_mul_reference(proj, lora_B, scales, out, bias=None, row_norm=None)
     # where a projection has no adapter; scales: 2 floats; bias: [>= 2 I] ([b_gate | b_up | ...]) or None;
     # row_norm: (parts [M, P], width, eps) of a deferred norm or None; out: [M, I] <- silu(gate') * up'
     width = out.shape[1]
-    wide = torch.promote_types(proj.dtype, torch.float32)  # rstd's precision: fp32, or float64 for an exact reference
-    rstd = 1.0
-    if row_norm is not None:
-        parts, norm_width, eps = row_norm
-        rstd = torch.rsqrt(parts.to(wide).sum(-1, keepdim=True) / norm_width + eps)
-    halves, s_start = [], 2 * width
-    for start, B, scale in zip((0, width), lora_B, scales):
-        half = proj[:, start:start + width]
-        if B is not None:
-            half = half + scale * (proj[:, s_start:s_start + B.shape[1]] @ B.t())
-            s_start += B.shape[1]
-        if row_norm is not None:
-            half = (half.to(wide) * rstd).to(half.dtype)
-        if bias is not None:
-            half = half + bias[start:start + width]
-        halves.append(half)
+    halves = projections_reference(proj, (width, width), lora_B, scales, bias, row_norm)
     out.copy_(silu_mul_reference(*halves))
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import columns_with_lora, deferred_parts, rank_tile, row_rstd
+from ._lora_columns import columns_with_lora, deferred_parts, projections_reference, rank_tile, row_rstd
 
 
 def rope_cache_write_reference(qkv, lora_B, scales, cos, sin, q_norm, k_norm, eps, slot, q_out, k_cache, v_cache,
@@ -24,24 +24,7 @@ def rope_cache_write_reference(qkv, lora_B, scales, cos, sin, q_norm, k_norm, ep
     # [B, P], width, eps) of a deferred norm or None. Writes q_out and k_cache[:, :, slot], v_cache[:, :, slot].
     batch, n_heads, _, d = q_out.shape
     widths = (n_heads * d, k_cache.shape[1] * d, k_cache.shape[1] * d)
-    rstd = None
-    wide = torch.promote_types(qkv.dtype, torch.float32)  # rstd's precision: fp32, or float64 for an exact reference
-    if row_norm is not None:
-        parts, norm_width, norm_eps = row_norm
-        rstd = torch.rsqrt(parts.to(wide).sum(-1, keepdim=True) / norm_width + norm_eps)
-    outputs, start, s_start = [], 0, sum(widths)
-    for width, B, scale in zip(widths, lora_B, scales):
-        out = qkv[:, start:start + width]
-        if B is not None:
-            out = out + scale * (qkv[:, s_start:s_start + B.shape[1]] @ B.t())
-            s_start += B.shape[1]
-        if rstd is not None:
-            out = (out.to(wide) * rstd).to(out.dtype)
-        if bias is not None:
-            out = out + bias[start:start + width]
-        outputs.append(out.view(batch, -1, d))
-        start += width
-    q, k, v = outputs  # [B, H, D]
+    q, k, v = (out.view(batch, -1, d) for out in projections_reference(qkv, widths, lora_B, scales, bias, row_norm))
     if q_norm is not None:
         q, k = rms_norm_of_heads(q, q_norm, eps), rms_norm_of_heads(k, k_norm, eps)
     q, k = rotated(q, cos, sin), rotated(k, cos, sin)
