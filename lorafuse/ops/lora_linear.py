@@ -9,7 +9,7 @@ LORAFUSE_GEMM environment variable or the `gemm` argument:
             activation in its epilogue: no pass over y, nor over dx without dropout;
   "cublas"  cuBLAS, accumulating into a buffer that the adapter kernels pre-wrote
             (addmm with beta=1): one extra write of y and of dx;
-  "auto"    the one measured faster for the shape (benchmarks/bench_lora_layer.py).
+  "auto"    the one measured faster for the shape and device (benchmarks/bench_lora_layer.py).
 Inference on at most 16 rows (decoding, dropout off) takes `lora_decode` on the cuBLAS route (and on "auto"),
 unless its adapter math is fp32 and its weights are not stacked (see lora_decode).
 """
@@ -24,7 +24,7 @@ from .activation import activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
 from .lora_decode import DECODE_MAX_ROWS, lora_decode, stacked_weights
 from .lora_expand import lora_expand, lora_expand_backward
-from .lora_matmul import lora_matmul
+from .lora_matmul import fills_the_gpu, lora_matmul, tma_ready
 from .lora_shrink import lora_shrink, lora_shrink_backward
 
 GEMM_BACKENDS = ("auto", "triton", "cublas")
@@ -45,21 +45,26 @@ def lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0,
     return activation_reference(z, activation).to(x.dtype)
 
 
-def _resolve_gemm(gemm, M, x_dtype, adapter_dtype, decoding):
+def _resolve_gemm(gemm, x, weight, adapter_dtype, decoding):
+    # x: [M, K], weight: [N, K]
     gemm = gemm or os.environ.get("LORAFUSE_GEMM", "auto")
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"LORAFUSE_GEMM / gemm={gemm!r} is not one of {', '.join(GEMM_BACKENDS)}")
     if gemm != "auto":
         return gemm
-    # Measured (benchmarks/results/lora_layer.csv, decode.csv): at training sizes cuBLAS plus the
-    # fused epilogue kernels beats the Triton GEMM. Decoding (inference, <= 16 rows) runs cuBLAS's
-    # GEMV plus lora_decode: the Triton GEMM reads the weights at about half cuBLAS's bandwidth
-    # there. Other small batches take the single-launch Triton kernel (shrink in its K-loop),
-    # unless that K-loop carries fp32 adapter math: fewer launches.
+    # Measured (benchmarks/results/lora_layer.csv, decode.csv). Decoding (inference, <= 16 rows) runs cuBLAS's GEMV
+    # plus lora_decode: the Triton GEMM reads the weights at about half cuBLAS's bandwidth there. Other small batches
+    # take the single-launch Triton kernel (shrink in its K-loop), unless that K-loop carries fp32 adapter math.
+    # Training sizes on Hopper take the persistent TMA kernel with the rank-r term in its epilogue (1.02-1.07x
+    # cuBLAS's GEMM alone at 8192 rows), which saves the cuBLAS route's pre-write of y and its read-back; elsewhere
+    # cuBLAS plus the fused epilogue kernels.
+    M = x.shape[0]
     if decoding:
         return "cublas"
-    small = M <= FUSED_SHRINK_MAX_ROWS and not lora_in_fp32(x_dtype, adapter_dtype)
-    return "triton" if small else "cublas"
+    if M <= FUSED_SHRINK_MAX_ROWS:
+        return "cublas" if lora_in_fp32(x.dtype, adapter_dtype) else "triton"
+    on_tma = tma_ready(x, weight.t()) and fills_the_gpu(M, weight.shape[0], x.device)
+    return "triton" if on_tma else "cublas"
 
 
 def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, store_z):
@@ -191,7 +196,7 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     # the GEMV on an H100), so fp32 adapters take it only when stacked (no shrink kernel then).
     decoding = (not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
                 and (not lora_in_fp32(x2.dtype, lora_A.dtype) or stacked_weights(weight, lora_A) is not None))
-    gemm = _resolve_gemm(gemm, x2.shape[0], x2.dtype, lora_A.dtype, decoding)
+    gemm = _resolve_gemm(gemm, x2, weight, lora_A.dtype, decoding)
     args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act, gemm)
     with torch.autocast(x.device.type, enabled=False):
         if training:

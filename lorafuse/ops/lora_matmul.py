@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import split_bf16, uses_bf16_pieces
-from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank
+from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count
 from .activation import activate
 from .dropout import PHILOX_ROUNDS, keep_tile
 
@@ -35,7 +35,7 @@ def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr,
     # R: [rank, N] (strides stride_rr, stride_rn); shrink weight: [rank, K] (FUSE_SHRINK)
     # LORA_FP32: the rank-r products run in fp32 (float32 adapters), else in C's dtype
     cd = tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty
-    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -82,14 +82,38 @@ def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr,
 
 
 @triton.jit
-def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # This program's (row block, column block), in grouped order: GROUP_M neighbouring row
+def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Output tile number `tile` as (row block, column block), in grouped order: GROUP_M neighbouring row
     # blocks sweep the column blocks together, so their B tiles are shared through L2.
-    pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BLOCK_N)
-    first_m = pid // (GROUP_M * blocks_n) * GROUP_M
+    first_m = tile // (GROUP_M * blocks_n) * GROUP_M
     group_m = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    return first_m + (pid % (GROUP_M * blocks_n)) % group_m, (pid % (GROUP_M * blocks_n)) // group_m
+    return first_m + (tile % (GROUP_M * blocks_n)) % group_m, (tile % (GROUP_M * blocks_n)) // group_m
+
+
+@triton.jit
+def _rank_r_tile(r_ptr, cols, N, rank, stride_rr, stride_rn, R: tl.constexpr):
+    # R[:, cols] as a [R, BN] tile (ranks past `rank` read zeros)
+    ranks = tl.arange(0, R)
+    return tl.load(r_ptr + ranks[:, None] * stride_rr + cols[None, :] * stride_rn,
+                   mask=(ranks[:, None] < rank) & (cols[None, :] < N), other=0.0)
+
+
+@triton.jit
+def _add_rank_r(acc, low, r, scale, CD: tl.constexpr, ON_PIECES: tl.constexpr, LORA_PRECISION: tl.constexpr):
+    # acc: [BM, BN] fp32 tile of A @ B; low: [BM, R] fp32 rank-r input of its rows; r: [R, BN] tile of R.
+    # Returns acc + scale * low @ r, as one more K-step of rank r into the same accumulator (no second [BM, BN]
+    # tile). CD: the dtype of the rank-r product (fp32 for float32 adapter math, else C's).
+    if ON_PIECES:
+        # float32 operands as bf16 pieces: bf16 dots like the K-loop's (a tf32x3 dot into this accumulator spills).
+        # The three largest piece products carry the term to about 2^-17 of itself: C is rounded to 16 bits (2^-9),
+        # and Z, kept for act', needs no more. The other three products measured 2-4 % of the GEMM on an H200.
+        l0, l1, _ = split_bf16(low * scale)
+        r0, r1, _ = split_bf16(r.to(tl.float32))
+        acc = tl.dot(l0, r1, tl.dot(l1, r0, tl.dot(l0, r0, acc)))
+    else:
+        acc = tl.dot((low * scale).to(CD), r.to(CD), acc, input_precision=LORA_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -97,20 +121,9 @@ def _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, s
               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, LORA_FP32: tl.constexpr,
               ON_PIECES: tl.constexpr, R: tl.constexpr, LORA_PRECISION: tl.constexpr):
     # acc: [BM, BN] fp32 tile of A @ B at (rows, cols); low: [BM, R] fp32 rank-r input of those rows
-    cd = tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty
-    ranks = tl.arange(0, R)
-    r = tl.load(r_ptr + ranks[:, None] * stride_rr + cols[None, :] * stride_rn,
-                mask=(ranks[:, None] < rank) & (cols[None, :] < N), other=0.0)
-    # One more K-step of rank r into the same accumulator: no second [BM, BN] tile.
-    if ON_PIECES:
-        # float32 operands as bf16 pieces: bf16 dots like the K-loop's (a tf32x3 dot into this accumulator spills);
-        # the six piece products down to 2^-24 of the term
-        l0, l1, l2 = split_bf16(low * scale)
-        r0, r1, r2 = split_bf16(r.to(tl.float32))
-        acc = tl.dot(l0, r0, tl.dot(l0, r1, tl.dot(l1, r0, acc)))
-        acc = tl.dot(l0, r2, tl.dot(l1, r1, tl.dot(l2, r0, acc)))
-    else:
-        acc = tl.dot((low * scale).to(cd), r.to(cd), acc, input_precision=LORA_PRECISION)
+    r = _rank_r_tile(r_ptr, cols, N, rank, stride_rr, stride_rn, R)
+    acc = _add_rank_r(acc, low, r, scale, tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty, ON_PIECES,
+                      LORA_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -121,40 +134,68 @@ def _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, s
 
 
 @triton.jit
-def _lora_matmul_tma(a_desc, b_desc, c_ptr, z_ptr, l_ptr, r_ptr, bias_ptr, M, N, K, rank, scale, stride_rr, stride_rn,
-                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, B_K_MAJOR: tl.constexpr,
-                     LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                     LORA_PRECISION: tl.constexpr):
-    # The same GEMM with tiles fetched by the TMA engine (Hopper): a_desc over A [M, K] in
-    # [BM, BK] boxes; b_desc over B [N, K] in [BN, BK] boxes when B_K_MAJOR (x @ W^T), else
-    # over B [K, N] in [BK, BN] boxes (g @ W). Out-of-range boxes read zeros.
-    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([pid_m * BLOCK_M, k0])
-        if B_K_MAJOR:
-            acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, k0]).T, acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(a, b_desc.load([k0, pid_n * BLOCK_N]), acc, input_precision=PRECISION)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _lora_matmul_tma(a_desc, b_desc, c_desc, z_desc, l_ptr, r_ptr, bias_ptr, M, N, K, rank, scale, stride_rr,
+                     stride_rn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
+                     B_K_MAJOR: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     PROGRAMS: tl.constexpr, PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
+    # The same GEMM with tiles moved by the TMA engine (Hopper), persistent: PROGRAMS programs walk the output
+    # tiles. a_desc over A [M, K] in [BM, BK] boxes; b_desc over B [N, K] in [BN, BK] boxes when B_K_MAJOR
+    # (x @ W^T), else over B [K, N] in [BK, BN] boxes (g @ W); c_desc (z_desc) over C (Z) [M, N] in [BM, BN / 2]
+    # boxes. Out-of-range boxes read zeros and are clipped on store. The epilogue's rank-r operands are loaded
+    # before the K-loop, so their latency hides behind it (measured 1-2 % of the GEMM).
     ranks = tl.arange(0, R)
-    low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
-                  other=0.0)
-    _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, scale, stride_rr, stride_rn,
-              ACT, HAS_BIAS, STORE_Z, LORA_FP32, ON_PIECES, R, LORA_PRECISION)
+    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :],
+                      mask=(rows[:, None] < M) & (ranks[None, :] < rank), other=0.0)
+        r = _rank_r_tile(r_ptr, cols, N, rank, stride_rr, stride_rn, R)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            if B_K_MAJOR:
+                acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, k0]).T, acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a, b_desc.load([k0, pid_n * BLOCK_N]), acc, input_precision=PRECISION)
+        acc = _add_rank_r(acc, low, r, scale, tl.float32 if LORA_FP32 else c_desc.dtype, ON_PIECES, LORA_PRECISION)
+        # stored as two [BM, BN / 2] halves: half the registers for bias, activation and the staged store
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _store_tma(left, pid_m * BLOCK_M, pid_n * BLOCK_N, c_desc, z_desc, bias_ptr, N, ACT, HAS_BIAS, STORE_Z)
+        _store_tma(right, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2, c_desc, z_desc, bias_ptr, N, ACT,
+                   HAS_BIAS, STORE_Z)
 
 
-def _tma_ready(a, b):
-    """TMA boxes need a CUDA device of compute capability >= 9, unit inner strides and
-    16-byte aligned row strides and base addresses."""
+@triton.jit
+def _store_tma(acc, row0, col0, c_desc, z_desc, bias_ptr, N, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               STORE_Z: tl.constexpr):
+    # acc: [BM, W] fp32 pre-bias tile of C at (row0, col0): bias, Z, activation, stored through the descriptors
+    if HAS_BIAS:
+        cols = col0 + tl.arange(0, acc.shape[1])
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if STORE_Z:
+        z_desc.store([row0, col0], acc.to(z_desc.dtype))
+    c_desc.store([row0, col0], activate(acc, ACT).to(c_desc.dtype))
+
+
+def tma_ready(a, b):
+    """Whether lora_matmul(a, b, ..., tma=True) moves its tiles with TMA: a CUDA device of compute capability >= 9,
+    16-bit operands with unit inner strides, 16-byte aligned row strides and base addresses (C's rows too)."""
+    # a: [M, K], b: [K, N] (any strides)
     if not (a.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(a.device)[0] >= 9
-            and a.dtype != torch.float32):
+            and a.dtype != torch.float32 and TensorDescriptor is not None):
         return False
-    tensors = (a, b.t() if b.stride(0) == 1 else b)
-    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in tensors)
+    c_row_bytes = b.shape[1] * a.element_size()
+    return c_row_bytes % 16 == 0 and all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (a, b.t() if b.stride(0) == 1 else b))
+
+
+def fills_the_gpu(M, N, device):
+    """Whether the large tiles of lora_matmul's TMA kernel make at least one wave over the device's SMs."""
+    block_m, block_n = _config(M, N, 0, torch.bfloat16)[:2]
+    return triton.cdiv(M, block_m) * triton.cdiv(N, block_n) >= sm_count(device)
 
 
 def _config(M, N, K, dtype):
@@ -166,7 +207,9 @@ def _config(M, N, K, dtype):
         return 64, 64, 64, 8, 4, 4
     if dtype == torch.float32:
         return 64, 64, 32, 8, 4, 3
-    return 128, 256, 64, 8, 8, 4  # swept on an H200: with TMA tiles 1.03-1.09x cuBLAS
+    # swept on an H200 (persistent TMA kernel, 4096-14336 wide, 8192 rows): 1.02-1.07x cuBLAS's GEMM alone, rank-r
+    # term included; 4 stages do not fit its shared memory with the epilogue's staged stores
+    return 128, 256, 64, 8, 8, 3
 
 
 def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, threshold=0, drop_scale=1.0,
@@ -190,16 +233,20 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
     block_m, block_n, block_k, group_m, warps, stages = config or _config(M, N, K, a.dtype)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     sw = shrink_weight
-    if tma and TensorDescriptor is not None and sw is None and _tma_ready(a, b):
+    if tma and sw is None and tma_ready(a, b):
         b_k_major = b.stride(0) == 1  # b is W^T: W [N, K] row-major
         b_host = b.t() if b_k_major else b
         b_block = [block_n, block_k] if b_k_major else [block_k, block_n]
-        _lora_matmul_tma[grid](
+        c_desc = TensorDescriptor.from_tensor(c, [block_m, block_n // 2])
+        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+        programs = min(tiles, sm_count(a.device))
+        _lora_matmul_tma[(programs,)](
             TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b_host, b_block),
-            c, z, low, right, bias, M, N, K, r, scale, right.stride(0), right.stride(1),
+            c_desc, TensorDescriptor.from_tensor(z, [block_m, block_n // 2]) if store_z else c_desc,
+            low, right, bias, M, N, K, r, scale, right.stride(0), right.stride(1),
             ACT=activation_id, HAS_BIAS=bias is not None, STORE_Z=store_z,
             B_K_MAJOR=b_k_major, LORA_FP32=fp32, ON_PIECES=on_pieces, R=padded_rank(r), BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PRECISION=dot_precision(a.dtype),
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=programs, PRECISION=dot_precision(a.dtype),
             LORA_PRECISION=lora_precision(a.dtype, right.dtype), num_warps=warps, num_stages=stages)
         return c, z
     _lora_matmul[grid](

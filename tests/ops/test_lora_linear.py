@@ -163,6 +163,21 @@ def test_auto_back_end(shape):
     check(x_shape, n, 8, torch.float32, None, 0.1, "identity")
 
 
+@pytest.mark.parametrize("on_tma", [False, True], ids=["no_tma", "tma"])
+def test_auto_takes_the_tma_gemm_where_it_fills_the_gpu(on_tma, monkeypatch):
+    # Past the small-batch kernel, "auto" takes the Triton GEMM only where it runs on TMA tiles (Hopper) over at
+    # least one wave of tiles; otherwise cuBLAS. On CPU neither holds, so both are declared here.
+    monkeypatch.setattr(lora_linear_module, "tma_ready", lambda a, b: on_tma)
+    monkeypatch.setattr(lora_linear_module, "fills_the_gpu", lambda m, n, device: True)
+    x, weight = torch.randn(113, 48, dtype=torch.bfloat16), torch.randn(80, 48, dtype=torch.bfloat16)
+    assert lora_linear_module._resolve_gemm(None, x, weight, torch.float32, False) == ("triton" if on_tma else "cublas")
+    monkeypatch.setattr(lora_linear_module, "fills_the_gpu", lambda m, n, device: False)
+    assert lora_linear_module._resolve_gemm(None, x, weight, torch.float32, False) == "cublas"
+    assert lora_linear_module._resolve_gemm(None, x[:7], weight, torch.float32, False) == "cublas"  # fp32 math
+    assert lora_linear_module._resolve_gemm(None, x[:7], weight, torch.bfloat16, False) == "triton"  # one launch
+    assert lora_linear_module._resolve_gemm(None, x[:7], weight, torch.bfloat16, True) == "cublas"  # decoding
+
+
 @pytest.mark.parametrize("activation", ["identity", "silu"])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2]], ids=shape_id)
 @pytest.mark.parametrize("gemm", GEMMS)

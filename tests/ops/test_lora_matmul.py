@@ -136,7 +136,26 @@ def test_tma_kernel(m, k, n, config, transposed, dtype, monkeypatch):
     # tiles: several column blocks and a partial group of rows.
     module = importlib.import_module("lorafuse.ops.lora_matmul")
     assert module.TensorDescriptor is not None
-    monkeypatch.setattr(module, "_tma_ready", lambda a, b: True)
+    monkeypatch.setattr(module, "tma_ready", lambda a, b: True)
     a, b, low, right, bias = operands(m, k, n, 8, dtype, transposed)
     c, z = lora_matmul(a, b, low, right, SCALE, bias, activation_id("gelu"), store_z=True, config=config, tma=True)
     check(c, z, a, b, low, right, bias, "gelu", dtype)
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
+def test_tma_kernel_walks_several_tiles_per_program(adapter_dtype, monkeypatch):
+    # The TMA kernel is persistent: with 3 programs each walks a dozen tiles (a partial row group and partial column
+    # blocks included). float32 adapters take the bf16-piece epilogue.
+    module = importlib.import_module("lorafuse.ops.lora_matmul")
+    monkeypatch.setattr(module, "tma_ready", lambda a, b: True)
+    monkeypatch.setattr(module, "sm_count", lambda device: 3)
+    m, k, n, r = 150, 104, 88, 8
+    a, b, low, right, bias = operands(m, k, n, r, torch.bfloat16, True)
+    right = right.to(adapter_dtype)
+    c, z = lora_matmul(a, b, low, right, SCALE, bias, activation_id("silu"), store_z=True,
+                       config=(32, 32, 32, 3, 4, 1), tma=True)
+    assert z.dtype == (torch.float32 if adapter_dtype == torch.float32 else torch.bfloat16)
+    exact_c, exact_z = expected(a, b, low, right, bias, "silu")
+    plain_c, plain_z = expected(a, b, low, right.to(torch.bfloat16), bias, "silu", dtype=torch.bfloat16)
+    assert_close(c, exact_c, torch.bfloat16, plain_c, "C")
+    assert_close(z.to(torch.bfloat16) if adapter_dtype == torch.float32 else z, exact_z, torch.bfloat16, plain_z, "Z")
