@@ -25,26 +25,29 @@ class FusedLoraLinear(lora.Linear):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype as PEFT returns it
-        reason = self._unfused_reason(x, args, kwargs)
+        active = self.active_adapters
+        reason = self._unfused_reason(x, args, kwargs, active)
         if reason is not None:
             log_once(f"lorafuse: LoRA Linear with {reason} runs through PEFT's forward (not fused)")
             return super().forward(x, *args, **kwargs)
-        return lora_forward(self, self.active_adapters[0], x)
+        return lora_forward(self, active[0], x)
 
-    def _unfused_reason(self, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+    def _unfused_reason(self, x: torch.Tensor, args: tuple, kwargs: dict, active: list[str]) -> str | None:
         """Why PEFT's forward must run instead of the fused op, or None when the op computes the same."""
-        if kwargs.get("adapter_names") is not None:
-            return "a mixed-adapter batch (adapter_names=...)"
-        extra = sorted(name for name, value in kwargs.items() if value is not None)
-        if args or extra:
-            return f"extra forward arguments ({len(args)} positional, keywords {extra})"
+        # Runs on every call (decoding calls are bound by the host's time): the common case passes cheap tests first.
+        if args or kwargs:
+            if kwargs.get("adapter_names") is not None:
+                return "a mixed-adapter batch (adapter_names=...)"
+            extra = sorted(name for name, value in kwargs.items() if value is not None)
+            if args or extra:
+                return f"extra forward arguments ({len(args)} positional, keywords {extra})"
         if self.disable_adapters:
             return "adapters disabled"
         if self.merged:
             return "merged adapters"
-        if len(self.active_adapters) != 1:
+        if len(active) != 1:
             return "several active adapters"
-        adapter = self.active_adapters[0]
+        adapter = active[0]
         if adapter not in self.lora_A:
             return "no weights for the active adapter"
         if adapter in self.lora_variant:

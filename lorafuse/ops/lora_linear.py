@@ -11,7 +11,8 @@ LORAFUSE_GEMM environment variable or the `gemm` argument:
             (addmm with beta=1): one extra write of y and of dx;
   "auto"    the one measured faster for the shape and device (benchmarks/bench_lora_layer.py).
 Inference on at most 16 rows (decoding, dropout off) takes `lora_decode` on the cuBLAS route (and on "auto"),
-unless its adapter math is fp32 and its weights are not stacked (see lora_decode).
+unless its adapter math is fp32 and its weights are not stacked (see lora_decode); called eagerly (not in a CUDA-graph
+capture) on weights that are not stacked, it takes PyTorch's launches: the host's launch time is the cost there.
 """
 import os
 
@@ -41,17 +42,23 @@ def lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0,
         xd = (x2 * keep * keep_scale(dropout_p)).reshape(x.shape)
     # As PEFT: the adapter path runs in the adapters' dtype, the sum is cast back to x's dtype.
     lora = F.linear(F.linear(xd.to(lora_A.dtype), lora_A), lora_B)
-    z = F.linear(x, weight, bias) + scale * lora
+    z = torch.add(F.linear(x, weight, bias), lora, alpha=scale)  # one launch: eager decoding runs this path
     return activation_reference(z, activation).to(x.dtype)
 
 
-def _resolve_gemm(gemm, x, weight, adapter_dtype, decoding):
+def _resolve_gemm(gemm, x, weight, adapter_dtype, decoding, launch_bound=False):
+    """"triton", "cublas", or "torch" (PyTorch's launches of the reference: launch-bound calls on "auto")."""
     # x: [M, K], weight: [N, K]
     gemm = gemm or os.environ.get("LORAFUSE_GEMM", "auto")
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"LORAFUSE_GEMM / gemm={gemm!r} is not one of {', '.join(GEMM_BACKENDS)}")
     if gemm != "auto":
         return gemm
+    if launch_bound:
+        # A few rows outside a CUDA-graph capture (decoding with transformers' generate): the host sets the pace. The
+        # GEMV takes microseconds, a Triton launch tens of them (bench_lora_layer.py's eager decode rows), so PyTorch's
+        # few launches of the same math (the reference, as PEFT computes it) are the fastest there.
+        return "torch"
     # Measured (benchmarks/results/lora_layer.csv, decode.csv). Decoding (inference, <= 16 rows) runs cuBLAS's GEMV
     # plus lora_decode: the Triton GEMM reads the weights at about half cuBLAS's bandwidth there. Other small batches
     # take the single-launch Triton kernel (shrink in its K-loop), unless that K-loop carries fp32 adapter math.
@@ -163,6 +170,12 @@ def _kernel_unsupported(x, weight, lora_A):
     return None
 
 
+def _launch_bound(x):
+    """Whether a call on these rows is bound by its launches: a few rows on a GPU, not being captured in a graph."""
+    # x: [M, K]
+    return x.is_cuda and x.shape[0] <= DECODE_MAX_ROWS and not torch.cuda.is_current_stream_capturing()
+
+
 @torch.compiler.disable  # compiled models call the kernels as they are (a graph break), never trace them
 def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activation="identity", seed=None, gemm=None):
     """Fused LoRA linear. `dropout_p` applies to the adapter path only (pass 0.0 in eval);
@@ -196,7 +209,11 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     # the GEMV on an H100), so fp32 adapters take it only when stacked (no shrink kernel then).
     decoding = (not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
                 and (not lora_in_fp32(x2.dtype, lora_A.dtype) or stacked_weights(weight, lora_A) is not None))
-    gemm = _resolve_gemm(gemm, x2, weight, lora_A.dtype, decoding)
+    launch_bound = (not training and dropout_p == 0.0 and _launch_bound(x2)
+                    and stacked_weights(weight, lora_A) is None)
+    gemm = _resolve_gemm(gemm, x2, weight, lora_A.dtype, decoding, launch_bound)
+    if gemm == "torch":
+        return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, 0.0, activation)
     args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act, gemm)
     with torch.autocast(x.device.type, enabled=False):
         if training:

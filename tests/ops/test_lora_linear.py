@@ -302,3 +302,28 @@ def test_unsupported_inputs_fall_back_to_the_reference(case, monkeypatch):
     got = run(lora_linear, inputs, grad_out, ALL_GRADS, **kwargs)
     exact = run(lora_linear_reference, cast(inputs, torch.float64), grad_out.double(), ALL_GRADS, **kwargs)
     assert_all_close(got, exact, torch.float32)
+
+
+def test_eager_calls_on_few_rows_take_pytorch_launches(monkeypatch):
+    # Outside a CUDA-graph capture a few rows on a GPU are bound by their launches: "auto" computes them with
+    # PyTorch's (the reference). An explicit back-end, stacked weights, training, dropout or more rows keep the
+    # kernels. On CPU no call is launch-bound, so the GPU's answer is declared here.
+    from lorafuse.ops.lora_decode import stack_weights
+    monkeypatch.setattr(lora_linear_module, "_launch_bound", lambda x: x.shape[0] <= 16)
+    calls = []
+    monkeypatch.setattr(lora_linear_module, "lora_linear_reference",
+                        lambda *a, **k: calls.append(a[0].shape) or lora_linear_reference(*a, **k))
+    inputs = random_inputs((7, 100), 36, 8)
+    args = [inputs[name] for name in ("x", "weight", "bias", "lora_A", "lora_B")]
+    with torch.no_grad():
+        got = lora_linear(*args, SCALE, activation="silu")
+        assert calls == [(7, 100)]
+        assert torch.equal(got, lora_linear_reference(*args, SCALE, activation="silu"))
+        lora_linear(*args, SCALE, gemm="triton")
+        lora_linear(*args, SCALE, dropout_p=0.1)
+        lora_linear(torch.randn(17, 100), *args[1:], SCALE)
+        weight, lora_A = stack_weights(inputs["weight"], inputs["lora_A"])
+        lora_linear(args[0], weight, args[2], lora_A, args[4], SCALE)
+    x = inputs["x"].requires_grad_()
+    lora_linear(x, *args[1:], SCALE).sum().backward()
+    assert calls == [(7, 100)]
