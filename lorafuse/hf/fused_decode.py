@@ -11,6 +11,7 @@ Per layer, with h the residual stream and x its normed copy (both updated in pla
   5. one GEMM with [Wg; Wu; Ag; Au], then ops.lora_silu_mul;
   6. one GEMM with [Wd; Ad], then ops.lora_add_rms_norm with the next layer's input norm (the final norm after the
      last layer), so that no layer starts with a norm of its own.
+At batch 1 the GEMMs (and lm_head) are ops.gemv, which reads the weights faster than cuBLAS's kernels there.
 Merged and unmerged adapters run the same launches: an unmerged adapter adds rank-r rows to the GEMMs and a few
 multiply-adds inside the kernels after them. With an adapter on o_proj (down_proj) the residual kernel spreads each
 row over programs and defers the norm: x leaves as h * w with partial sums of h^2, and the kernel after the next
@@ -36,6 +37,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3Decode
 
 from ..ops.attention_windows import windows_of_one_query
 from ..ops.flash_attention import HEAD_DIMS, flash_attention
+from ..ops.gemv import gemv
 from ..ops.lora_add_rms_norm import lora_add_rms_norm
 from ..ops.lora_decode import shares_buffer, stack_rows, stacked_rows
 from ..ops.lora_silu_mul import lora_silu_mul
@@ -216,9 +218,10 @@ class StackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, K] -> [B, sum N + sum r]
-        if self.bias is None or not self.bias_in_gemm:
-            return x @ self.weight.t()
-        return torch.addmm(self.bias, x, self.weight.t())
+        bias = self.bias if self.bias_in_gemm else None
+        if x.shape[0] == 1:
+            return gemv(x, self.weight, bias)  # batch 1: reads the weights faster than cuBLAS's kernels
+        return x @ self.weight.t() if bias is None else torch.addmm(bias, x, self.weight.t())
 
 
 class FusedLayer:
@@ -302,4 +305,7 @@ class FusedDecoder:
         row_norm = None
         for layer, cache_layer, next_norm in zip(self.layers, cache.layers, self.next_norms):
             row_norm = layer(hidden, normed, row_norm, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm)
-        logits.copy_(self.lm_head(normed))
+        if normed.shape[0] == 1:
+            gemv(normed, self.lm_head.weight, self.lm_head.bias, out=logits)
+        else:
+            logits.copy_(self.lm_head(normed))

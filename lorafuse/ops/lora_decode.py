@@ -1,16 +1,15 @@
-"""LoRA on a few rows (decoding): y = act(x W^T + bias + scale * (x A^T) B^T) as cuBLAS's GEMM of the frozen
-weight plus one Triton launch.
+"""LoRA on a few rows (decoding): y = act(x W^T + bias + scale * (x A^T) B^T) in two launches, without autograd.
 
-At decode sizes reading the weights is all the work, and cuBLAS's GEMV kernels read them at a bandwidth that a
-Triton GEMM with one program per output tile does not reach with so few rows (lora_matmul, shrink in its K-loop:
-1.2-2.4x the GEMV alone, benchmarks/results/lora_layer.csv). Two ways, inference only (no dropout, no saved
-tensors):
+At decode sizes reading the weights is all the work, and a Triton GEMM with one program per output tile does not
+reach cuBLAS's GEMV bandwidth with so few rows (lora_matmul, shrink in its K-loop: 1.2-2.4x the GEMV alone,
+benchmarks/results/lora_layer.csv). Three ways, inference only (no dropout, no saved tensors):
+  one row   ops.gemv reads W (faster than cuBLAS at batch 1) and A in one launch: x W^T and the shrink s = x A^T in
+            fp32, whatever A's dtype; lora_expand adds scale * s B^T + bias (and the activation) in one pass over y;
   stacked   lora_A's rows lie right after the frozen weight's in memory (lorafuse.inference.Engine lays the
-            weights out so): one cuBLAS GEMM of x with [W; A] gives x W^T and the shrink s = x A^T together,
-            and lora_expand adds scale * s B^T + bias (and the activation) in one pass over y;
+            weights out so): one cuBLAS GEMM of x with [W; A] gives x W^T and the shrink together, then lora_expand;
   otherwise cuBLAS computes x W^T + bias, and `_lora_delta` recomputes the small shrink in every program (from
             L2) before its columns' expand, in place: its K-loop costs 5-12 us on an H100 (the sweep in
-            bench_lora_layer.py --sweep-decode), which the stacked layout avoids.
+            bench_lora_layer.py --sweep-decode), which the other two avoid.
 """
 import torch
 import triton
@@ -18,6 +17,7 @@ import triton.language as tl
 
 from ._tiles import lora_in_fp32, lora_precision, padded_rank
 from .activation import activate, activation_reference
+from .gemv import gemv_and_shrink
 from .lora_expand import lora_expand
 
 DECODE_MAX_ROWS = 16  # rows of one tl.dot tile: the shrink is recomputed per program, cheap only while M is small
@@ -106,6 +106,9 @@ def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=
     # lora_A: [r, K], lora_B: [N, r]
     M, K = x.shape
     N, r = lora_B.shape
+    if M == 1 and weight.stride(1) == 1 and lora_A.stride(1) == 1:
+        y, s = gemv_and_shrink(x, weight, lora_A)
+        return lora_expand(y, s, lora_B, scale, bias, activation_id)[0]
     stacked = stacked_weights(weight, lora_A)
     if stacked is not None:
         both = x @ stacked.t()  # [M, N + r]: x W^T, then s

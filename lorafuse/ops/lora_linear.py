@@ -206,9 +206,10 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                for t in (x2, weight, bias, lora_A, lora_B))
     # lora_decode's kernel recomputes the shrink per program: with fp32 adapter math its tiles spill (measured 35-100x
-    # the GEMV on an H100), so fp32 adapters take it only when stacked (no shrink kernel then).
+    # the GEMV on an H100), so fp32 adapters take it only on one row (ops.gemv's shrink) or stacked (no shrink kernel).
     decoding = (not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
-                and (not lora_in_fp32(x2.dtype, lora_A.dtype) or stacked_weights(weight, lora_A) is not None))
+                and ((x2.shape[0] == 1 and weight.stride(1) == 1) or not lora_in_fp32(x2.dtype, lora_A.dtype)
+                     or stacked_weights(weight, lora_A) is not None))
     launch_bound = (not training and dropout_p == 0.0 and _launch_bound(x2)
                     and stacked_weights(weight, lora_A) is None)
     gemm = _resolve_gemm(gemm, x2, weight, lora_A.dtype, decoding, launch_bound)

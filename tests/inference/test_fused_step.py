@@ -29,6 +29,16 @@ CASES = {  # id: (family, config overrides, LoRA overrides or None for no adapte
 }
 
 
+def with_random_biases(model):
+    """transformers initialises biases to zero, which would hide a bias added twice or never: random ones."""
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+    return model
+
+
 def engines(model, **kwargs) -> tuple[Engine, Engine]:
     """A fused-step engine on `model`, then one stepping through transformers' forward on the same model (built
     second: the first lays the weights out, the second leaves them)."""
@@ -49,11 +59,24 @@ def assert_same_generation(fused: Engine, stepped: Engine) -> list[list[int]]:
                                          if lora is not None or not merge])
 def test_fused_step_equals_transformers_step(case, merge):
     family, overrides, lora = CASES[case]
-    model = tiny_model(family, **overrides).eval()
+    model = with_random_biases(tiny_model(family, **overrides).eval())
     if lora is not None:
         model = get_peft_model(model, lora_config(family, **lora)).eval()
     fused, stepped = engines(model, merge=merge)
     assert_same_generation(fused, stepped)
+
+
+@pytest.mark.parametrize("case", ["llama-biases-some-adapters", "qwen2"])
+def test_batch_one_equals_transformers_step(case):
+    # Bucket 1 runs its GEMMs and lm_head through ops.gemv (biases in the GEMM, or after a deferred norm)
+    family, overrides, lora = CASES[case]
+    model = get_peft_model(with_random_biases(tiny_model(family, **overrides).eval()), lora_config(family, **lora))
+    fused = Engine(model.eval(), max_length=16, buckets=(1,), check_every=2, fused_step=True)
+    assert fused.fused_step_reason is None
+    stepped = Engine(fused.model, max_length=16, buckets=(1,), check_every=2, fused_step=False)
+    tokens = fused.generate(PROMPTS[:1], SamplingParams(max_new_tokens=NEW))
+    assert tokens == stepped.generate(PROMPTS[:1], SamplingParams(max_new_tokens=NEW))
+    torch.testing.assert_close(fused.last_logits(), stepped.last_logits(), rtol=1e-5, atol=1e-5)
 
 
 def test_models_on_lorafuse_kernels_take_the_fused_step():

@@ -90,6 +90,7 @@ def test_stacked_weights_only_when_adjacent_and_alike():
     (4, False, 0.1, False),   # dropout: the mask needs the shrink kernels
 ])
 def test_lora_linear_sends_decode_calls_here(rows, grad, dropout_p, routed, monkeypatch):
+    monkeypatch.setattr(lora_linear_module, "_launch_bound", lambda x: False)  # on a GPU: as if in a graph capture
     calls = []
     monkeypatch.setattr(lora_linear_module, "lora_decode",
                         lambda *args: calls.append(args[0].shape) or lora_decode(*args))
@@ -109,10 +110,14 @@ def test_lora_linear_sends_decode_calls_here(rows, grad, dropout_p, routed, monk
     (torch.float32, torch.float32, False, False),
     (torch.float32, torch.float32, True, True),     # stacked: no shrink kernel, any dtype
 ])
-def test_fp32_adapter_math_decodes_here_only_when_stacked(x_dtype, adapter_dtype, stacked, routed, monkeypatch):
+@pytest.mark.parametrize("rows", [2, 1])
+def test_fp32_adapter_math_decodes_here_only_when_stacked(rows, x_dtype, adapter_dtype, stacked, routed, monkeypatch):
+    # one row: ops.gemv computes the shrink in fp32 in its own launch, so every adapter dtype decodes here
+    routed = routed or rows == 1
+    monkeypatch.setattr(lora_linear_module, "_launch_bound", lambda x: False)  # on a GPU: as if in a graph capture
     calls = []
     monkeypatch.setattr(lora_linear_module, "lora_decode", lambda *args: calls.append(1) or lora_decode(*args))
-    inputs = operands(2, 100, 80, 8, x_dtype, adapter_dtype)
+    inputs = operands(rows, 100, 80, 8, x_dtype, adapter_dtype)
     if stacked:
         inputs["weight"], inputs["lora_A"] = stack_weights(inputs["weight"], inputs["lora_A"])
     with torch.no_grad():

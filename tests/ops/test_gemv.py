@@ -1,0 +1,67 @@
+"""gemv: one row times a weight matrix (decoding at batch 1), against float64, with and without bias, odd widths,
+rows of a larger (stacked) buffer, and an fp32 output rounded as the weight's dtype."""
+import importlib
+
+import pytest
+import torch
+
+from lorafuse.ops.gemv import gemv, gemv_and_shrink, gemv_and_shrink_reference, gemv_reference
+from tests.ops._helpers import DTYPES, assert_close, dtype_id, poison
+
+gemv_module = importlib.import_module("lorafuse.ops.gemv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("n, k", [(1, 64), (7, 100), (113, 1030), (37, 4500)], ids=str)
+@pytest.mark.parametrize("has_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("tiles", [None, (1, 256)], ids=["default_tiles", "one_row_a_program"])
+def test_matches_reference(tiles, n, k, has_bias, dtype, monkeypatch):
+    # K on both sides of the config switch (4096) and not a multiple of the K tile, N not one of the row tile; one row
+    # a program (the config of wide weights, whose real widths are too slow for the interpreter) on small ones
+    if tiles is not None:
+        monkeypatch.setattr(gemv_module, "_config", lambda n, k: tiles)
+    x = torch.randn(1, k).to(dtype)
+    weight = (torch.randn(n, k) / k**0.5).to(dtype)
+    bias = torch.randn(n).to(dtype) if has_bias else None
+    got = gemv(x, weight, bias)
+    assert got.dtype == dtype and got.shape == (1, n)
+    exact = gemv_reference(x.double(), weight.double(), None if bias is None else bias.double())
+    assert_close(got, exact, dtype, gemv_reference(x, weight, bias))
+
+
+def test_rows_of_a_stacked_buffer_into_an_fp32_output():
+    # The decode step's weights are views into one buffer (rows K apart, not at its start), and its logits are fp32:
+    # the output is rounded as the weight's dtype first, so it equals the bf16 layer's output cast up.
+    buffer = (torch.randn(300, 96) / 96**0.5).to(torch.bfloat16)
+    weight = buffer[40:253]
+    x = torch.randn(1, 96).to(torch.bfloat16)
+    out = poison(torch.empty(1, 213))
+    gemv(x, weight, out=out)
+    assert torch.equal(out, out.to(torch.bfloat16).float())
+    assert_close(out.to(torch.bfloat16), gemv_reference(x.double(), weight.double()), torch.bfloat16,
+                 gemv_reference(x, weight))
+
+
+def test_bad_shapes_say_what_they_need():
+    with pytest.raises(ValueError, match=r"must be \[1, 64\]"):
+        gemv(torch.randn(2, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="unit column stride"):
+        gemv(torch.randn(1, 64), torch.randn(64, 8).t())
+
+
+@pytest.mark.parametrize("x_dtype, adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)],
+                         ids=["fp32", "bf16_fp32_adapters", "bf16", "fp16"])
+@pytest.mark.parametrize("r", [1, 7, 16])
+def test_gemv_and_shrink(r, x_dtype, adapter_dtype):
+    # One launch: the base output (as gemv) and s = x A^T summed in fp32, held to the fp32 bar whatever A's dtype
+    n, k = 113, 1030
+    x = torch.randn(1, k).to(x_dtype)
+    weight = (torch.randn(n, k) / k**0.5).to(x_dtype)
+    lora_A = (torch.randn(r, k) / k**0.5).to(adapter_dtype)
+    y, s = gemv_and_shrink(x, weight, lora_A)
+    assert y.dtype == x_dtype and s.dtype == torch.float32 and s.shape == (1, r)
+    exact_y, exact_s = gemv_and_shrink_reference(x.double(), weight.double(), lora_A.double())
+    plain_y, plain_s = gemv_and_shrink_reference(x, weight, lora_A)
+    assert_close(y, exact_y, x_dtype, plain_y, "y")
+    assert_close(s, exact_s, torch.float32, plain_s, "s")
