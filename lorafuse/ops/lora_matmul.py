@@ -240,6 +240,8 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
         c_desc = TensorDescriptor.from_tensor(c, [block_m, block_n // 2])
         tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
         programs = min(tiles, sm_count(a.device))
+        if store_z and z.element_size() == 4:
+            stages = min(stages, 2)  # the staged store of an fp32 Z tile takes a stage's shared memory (H200)
         _lora_matmul_tma[(programs,)](
             TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b_host, b_block),
             c_desc, TensorDescriptor.from_tensor(z, [block_m, block_n // 2]) if store_z else c_desc,
