@@ -219,7 +219,7 @@ class StackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, K] -> [B, sum N + sum r]
         bias = self.bias if self.bias_in_gemm else None
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and x.stride(1) == 1:
             return gemv(x, self.weight, bias)  # batch 1: reads the weights faster than cuBLAS's kernels
         return x @ self.weight.t() if bias is None else torch.addmm(bias, x, self.weight.t())
 
@@ -305,7 +305,7 @@ class FusedDecoder:
         row_norm = None
         for layer, cache_layer, next_norm in zip(self.layers, cache.layers, self.next_norms):
             row_norm = layer(hidden, normed, row_norm, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm)
-        if normed.shape[0] == 1:
+        if normed.shape[0] == 1 and self.lm_head.weight.stride(1) == 1:
             gemv(normed, self.lm_head.weight, self.lm_head.bias, out=logits)
         else:
             logits.copy_(self.lm_head(normed))

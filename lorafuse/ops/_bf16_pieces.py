@@ -7,7 +7,9 @@ x @ A == x @ hi + x @ mid + x @ lo: three bf16 dots give the float32 product up 
 bf16 rounding 4e-3) at 16-bit tensor-core speed, where tf32x3 splits both operands in every tile and runs
 fp32-sized tiles.
 The pieces of a weight are made once per call (`bf16_pieces`); fp32 tiles met inside a kernel (s, ds) are split
-there (`split_bf16`). fp16 activations are not exact in bf16: they keep tf32x3.
+there (`split_bf16`). Where both operands are fp32 (lora_matmul's epilogue: s times B) the kernel keeps the three
+largest of the nine piece products (the term to about 2^-17 of itself, under its bf16 output's rounding). fp16
+activations are not exact in bf16: they keep tf32x3.
 """
 import torch
 import triton

@@ -85,6 +85,9 @@ def _launch(x, weight, bias, y, lora_A, s):
     if x.shape != (1, K) or weight.stride(1) != 1 or x.stride(-1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} must be [1, {K}] and both x and weight {tuple(weight.shape)} "
                          "must have unit column stride")
+    if y.shape != (1, N) or y.stride(-1) != 1 or (bias is not None and (bias.shape != (N,) or bias.stride(0) != 1)):
+        raise ValueError(f"gemv: out {tuple(y.shape)} must be [1, {N}] with unit column stride, and bias "
+                         f"{None if bias is None else tuple(bias.shape)} a contiguous [{N}]")
     block_n, block_k = _config(N, K)
     rank = 0 if lora_A is None else lora_A.shape[0]
     _gemv[(triton.cdiv(N, block_n) + triton.cdiv(rank, block_n),)](

@@ -46,6 +46,12 @@ def stacked_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((sum(t.shape[0] for t in tensors), K), (K, 1))
 
 
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
+    """Whether lora_decode runs these on ops.gemv: one row, row-major weights (any adapter dtype: fp32 sums)."""
+    # x: [M, K], weight: [N, K], lora_A: [r, K]
+    return x.shape[0] == 1 and weight.stride(1) == 1 and lora_A.stride(1) == 1
+
+
 def stack_rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """New tensors holding the same values in `dtype`, stored one after another in one buffer (see stacked_rows)."""
     # tensors: [N_i, K]
@@ -101,12 +107,13 @@ def _lora_delta(y_ptr, x_ptr, a_ptr, b_ptr, M, N, K, rank, scale, stride_xm, str
 
 def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=None):
     """act(x W^T + bias + scale * (x A^T) B^T) for at most DECODE_MAX_ROWS rows, without autograd.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the defaults (benchmarks)."""
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) of `_lora_delta` overrides its defaults (benchmarks; one row
+    takes ops.gemv, which has no config)."""
     # x: [M <= 16, K] (unit column stride), weight: [N, K] (or a transposed view), bias: [N] or None,
     # lora_A: [r, K], lora_B: [N, r]
     M, K = x.shape
     N, r = lora_B.shape
-    if M == 1 and weight.stride(1) == 1 and lora_A.stride(1) == 1:
+    if takes_gemv(x, weight, lora_A):
         y, s = gemv_and_shrink(x, weight, lora_A)
         return lora_expand(y, s, lora_B, scale, bias, activation_id)[0]
     stacked = stacked_weights(weight, lora_A)

@@ -11,8 +11,9 @@ LORAFUSE_GEMM environment variable or the `gemm` argument:
             (addmm with beta=1): one extra write of y and of dx;
   "auto"    the one measured faster for the shape and device (benchmarks/bench_lora_layer.py).
 Inference on at most 16 rows (decoding, dropout off) takes `lora_decode` on the cuBLAS route (and on "auto"),
-unless its adapter math is fp32 and its weights are not stacked (see lora_decode); called eagerly (not in a CUDA-graph
-capture) on weights that are not stacked, it takes PyTorch's launches: the host's launch time is the cost there.
+unless its adapter math is fp32 on more than one row and its weights are not stacked (see lora_decode). On "auto",
+such a call made eagerly (not in a CUDA-graph capture) on weights that are not stacked takes PyTorch's launches of
+the reference instead: the host's launch time is the cost there.
 """
 import os
 
@@ -20,10 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from .._logging import log_once
-from ._tiles import lora_in_fp32
+from ._bf16_pieces import uses_bf16_pieces
+from ._tiles import lora_in_fp32, padded_rank
 from .activation import activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
-from .lora_decode import DECODE_MAX_ROWS, lora_decode, stacked_weights
+from .lora_decode import DECODE_MAX_ROWS, lora_decode, stacked_weights, takes_gemv
 from .lora_expand import lora_expand, lora_expand_backward
 from .lora_matmul import fills_the_gpu, lora_matmul, tma_ready
 from .lora_shrink import lora_shrink, lora_shrink_backward
@@ -46,9 +48,9 @@ def lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0,
     return activation_reference(z, activation).to(x.dtype)
 
 
-def _resolve_gemm(gemm, x, weight, adapter_dtype, decoding, launch_bound=False):
+def _resolve_gemm(gemm, x, weight, lora_A, act, decoding, launch_bound=False):
     """"triton", "cublas", or "torch" (PyTorch's launches of the reference: launch-bound calls on "auto")."""
-    # x: [M, K], weight: [N, K]
+    # x: [M, K], weight: [N, K], lora_A: [r, K]; act: activation id
     gemm = gemm or os.environ.get("LORAFUSE_GEMM", "auto")
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"LORAFUSE_GEMM / gemm={gemm!r} is not one of {', '.join(GEMM_BACKENDS)}")
@@ -59,18 +61,23 @@ def _resolve_gemm(gemm, x, weight, adapter_dtype, decoding, launch_bound=False):
         # GEMV takes microseconds, a Triton launch tens of them (bench_lora_layer.py's eager decode rows), so PyTorch's
         # few launches of the same math (the reference, as PEFT computes it) are the fastest there.
         return "torch"
-    # Measured (benchmarks/results/lora_layer.csv, decode.csv). Decoding (inference, <= 16 rows) runs cuBLAS's GEMV
-    # plus lora_decode: the Triton GEMM reads the weights at about half cuBLAS's bandwidth there. Other small batches
-    # take the single-launch Triton kernel (shrink in its K-loop), unless that K-loop carries fp32 adapter math.
-    # Training sizes on Hopper take the persistent TMA kernel with the rank-r term in its epilogue (1.02-1.07x
-    # cuBLAS's GEMM alone at 8192 rows), which saves the cuBLAS route's pre-write of y and its read-back; elsewhere
-    # cuBLAS plus the fused epilogue kernels.
+    # Measured (benchmarks/results/lora_layer.csv, decode.csv). Decoding (inference, <= 16 rows) runs lora_decode
+    # (ops.gemv on one row, else cuBLAS's GEMV and a Triton pass): the Triton GEMM reads the weights at about half
+    # cuBLAS's bandwidth there. Other small batches take the single-launch Triton kernel (shrink in its K-loop),
+    # unless that K-loop carries fp32 adapter math. Training sizes on Hopper take the persistent TMA kernel with the
+    # rank-r term in its epilogue (1.02-1.07x cuBLAS's GEMM alone at 8192 rows, r = 16, no activation), which saves
+    # the cuBLAS route's pre-write of y and its read-back, where it was measured so: 16-bit adapter math or bf16
+    # pieces (tf32x3 tiles spill), rank <= 64 (128 overflows its shared memory) and no activation (an fp32 Z to store
+    # costs it a stage: 1.21x slower than cuBLAS's route). Elsewhere cuBLAS plus the fused epilogue kernels.
     M = x.shape[0]
     if decoding:
         return "cublas"
+    fp32_math = lora_in_fp32(x.dtype, lora_A.dtype)
     if M <= FUSED_SHRINK_MAX_ROWS:
-        return "cublas" if lora_in_fp32(x.dtype, adapter_dtype) else "triton"
-    on_tma = tma_ready(x, weight.t()) and fills_the_gpu(M, weight.shape[0], x.device)
+        return "cublas" if fp32_math else "triton"
+    measured = (act == 0 and padded_rank(lora_A.shape[0]) <= 64
+                and (not fp32_math or uses_bf16_pieces(x.dtype, lora_A.dtype)))
+    on_tma = measured and tma_ready(x, weight.t()) and fills_the_gpu(M, weight.shape[0], x.device)
     return "triton" if on_tma else "cublas"
 
 
@@ -208,11 +215,12 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     # lora_decode's kernel recomputes the shrink per program: with fp32 adapter math its tiles spill (measured 35-100x
     # the GEMV on an H100), so fp32 adapters take it only on one row (ops.gemv's shrink) or stacked (no shrink kernel).
     decoding = (not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
-                and ((x2.shape[0] == 1 and weight.stride(1) == 1) or not lora_in_fp32(x2.dtype, lora_A.dtype)
+                and (takes_gemv(x2, weight, lora_A) or not lora_in_fp32(x2.dtype, lora_A.dtype)
                      or stacked_weights(weight, lora_A) is not None))
-    launch_bound = (not training and dropout_p == 0.0 and _launch_bound(x2)
-                    and stacked_weights(weight, lora_A) is None)
-    gemm = _resolve_gemm(gemm, x2, weight, lora_A.dtype, decoding, launch_bound)
+    # the reference computes in the operands' dtypes: one dtype for bias and x, one for the adapters
+    launch_bound = (not training and dropout_p == 0.0 and _launch_bound(x2) and stacked_weights(weight, lora_A) is None
+                    and (bias is None or bias.dtype == x2.dtype) and lora_A.dtype == lora_B.dtype)
+    gemm = _resolve_gemm(gemm, x2, weight, lora_A, act, decoding, launch_bound)
     if gemm == "torch":
         return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, 0.0, activation)
     args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act, gemm)

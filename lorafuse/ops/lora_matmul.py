@@ -138,14 +138,14 @@ def _lora_matmul_tma(a_desc, b_desc, c_desc, z_desc, l_ptr, r_ptr, bias_ptr, M, 
                      stride_rn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
                      B_K_MAJOR: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     PROGRAMS: tl.constexpr, PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
-    # The same GEMM with tiles moved by the TMA engine (Hopper), persistent: PROGRAMS programs walk the output
+                     PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
+    # The same GEMM with tiles moved by the TMA engine (Hopper), persistent: the programs (one per SM) walk the output
     # tiles. a_desc over A [M, K] in [BM, BK] boxes; b_desc over B [N, K] in [BN, BK] boxes when B_K_MAJOR
     # (x @ W^T), else over B [K, N] in [BK, BN] boxes (g @ W); c_desc (z_desc) over C (Z) [M, N] in [BM, BN / 2]
     # boxes. Out-of-range boxes read zeros and are clipped on store. The epilogue's rank-r operands are loaded
     # before the K-loop, so their latency hides behind it (measured 1-2 % of the GEMM).
     ranks = tl.arange(0, R)
-    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), PROGRAMS):
+    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,6 +194,7 @@ def tma_ready(a, b):
 
 def fills_the_gpu(M, N, device):
     """Whether the large tiles of lora_matmul's TMA kernel make at least one wave over the device's SMs."""
+    # M > 64 (smaller batches take other tiles)
     block_m, block_n = _config(M, N, 0, torch.bfloat16)[:2]
     return triton.cdiv(M, block_m) * triton.cdiv(N, block_n) >= sm_count(device)
 
@@ -207,9 +208,14 @@ def _config(M, N, K, dtype):
         return 64, 64, 64, 8, 4, 4
     if dtype == torch.float32:
         return 64, 64, 32, 8, 4, 3
-    # swept on an H200 (persistent TMA kernel, 4096-14336 wide, 8192 rows): 1.02-1.07x cuBLAS's GEMM alone, rank-r
-    # term included; 4 stages do not fit its shared memory with the epilogue's staged stores
-    return 128, 256, 64, 8, 8, 3
+    return 128, 256, 64, 8, 8, 4  # the TMA kernel takes one stage less (_tma_stages)
+
+
+def _tma_stages(stages, store_z_fp32):
+    # The persistent TMA kernel stages its stores in shared memory too: 4 stages of 128x256x64 tiles do not fit beside
+    # them (H200), and an fp32 Z tile's staged store takes one more. Swept on an H200 at 4096-14336 wide, 8192 rows,
+    # r = 16, identity: 1.02-1.07x cuBLAS's GEMM alone, rank-r term included.
+    return min(stages, 2 if store_z_fp32 else 3)
 
 
 def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, threshold=0, drop_scale=1.0,
@@ -220,7 +226,8 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
     low: [M, r] fp32 (read; or written when shrink_weight [r, K] fuses the shrink into the K-loop,
     with the dropout mask of (seed, threshold, drop_scale) on a when mask_input).
     config: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) overrides the table (benchmarks).
-    tma: fetch A and B tiles with Hopper's TMA engine when their layout allows it.
+    tma: run the persistent kernel whose tiles (loads and stores) move through Hopper's TMA engine, where the layout
+    allows it (tma_ready); else the pointer kernel.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -240,15 +247,14 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
         c_desc = TensorDescriptor.from_tensor(c, [block_m, block_n // 2])
         tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
         programs = min(tiles, sm_count(a.device))
-        if store_z and z.element_size() == 4:
-            stages = min(stages, 2)  # the staged store of an fp32 Z tile takes a stage's shared memory (H200)
+        stages = _tma_stages(stages, store_z and z.element_size() == 4)
         _lora_matmul_tma[(programs,)](
             TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b_host, b_block),
             c_desc, TensorDescriptor.from_tensor(z, [block_m, block_n // 2]) if store_z else c_desc,
             low, right, bias, M, N, K, r, scale, right.stride(0), right.stride(1),
             ACT=activation_id, HAS_BIAS=bias is not None, STORE_Z=store_z,
             B_K_MAJOR=b_k_major, LORA_FP32=fp32, ON_PIECES=on_pieces, R=padded_rank(r), BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PROGRAMS=programs, PRECISION=dot_precision(a.dtype),
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PRECISION=dot_precision(a.dtype),
             LORA_PRECISION=lora_precision(a.dtype, right.dtype), num_warps=warps, num_stages=stages)
         return c, z
     _lora_matmul[grid](

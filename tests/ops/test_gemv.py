@@ -47,6 +47,10 @@ def test_bad_shapes_say_what_they_need():
         gemv(torch.randn(2, 64), torch.randn(8, 64))
     with pytest.raises(ValueError, match="unit column stride"):
         gemv(torch.randn(1, 64), torch.randn(64, 8).t())
+    with pytest.raises(ValueError, match=r"out \(2, 8\) must be \[1, 8\]"):
+        gemv(torch.randn(1, 64), torch.randn(8, 64), out=torch.empty(2, 8))
+    with pytest.raises(ValueError, match="a contiguous"):
+        gemv(torch.randn(1, 64), torch.randn(8, 64), torch.randn(16)[::2])
 
 
 @pytest.mark.parametrize("x_dtype, adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),

@@ -5,6 +5,7 @@ import importlib
 import pytest
 import torch
 
+from lorafuse.ops.activation import activation_id
 from lorafuse.ops.lora_linear import lora_linear, lora_linear_reference
 from tests.ops._helpers import BIG_SEED, assert_all_close, cast, dtype_id, forward_backward, seed_tensor
 
@@ -166,16 +167,24 @@ def test_auto_back_end(shape):
 @pytest.mark.parametrize("on_tma", [False, True], ids=["no_tma", "tma"])
 def test_auto_takes_the_tma_gemm_where_it_fills_the_gpu(on_tma, monkeypatch):
     # Past the small-batch kernel, "auto" takes the Triton GEMM only where it runs on TMA tiles (Hopper) over at
-    # least one wave of tiles; otherwise cuBLAS. On CPU neither holds, so both are declared here.
+    # least one wave of tiles, and only for what was measured there: 16-bit adapter math or bf16 pieces, rank <= 64,
+    # no activation. Otherwise cuBLAS. On CPU neither TMA nor a wave holds, so both are declared here.
     monkeypatch.setattr(lora_linear_module, "tma_ready", lambda a, b: on_tma)
     monkeypatch.setattr(lora_linear_module, "fills_the_gpu", lambda m, n, device: True)
+    resolve = lora_linear_module._resolve_gemm
     x, weight = torch.randn(113, 48, dtype=torch.bfloat16), torch.randn(80, 48, dtype=torch.bfloat16)
-    assert lora_linear_module._resolve_gemm(None, x, weight, torch.float32, False) == ("triton" if on_tma else "cublas")
+    pieces, half, rank_128 = torch.randn(16, 48), torch.randn(64, 48, dtype=torch.bfloat16), torch.randn(128, 48)
+    expected = "triton" if on_tma else "cublas"
+    assert resolve(None, x, weight, pieces, 0, False) == expected  # PEFT's fp32 adapters on bf16: bf16 pieces
+    assert resolve(None, x, weight, half, 0, False) == expected
+    assert resolve(None, x, weight, pieces, activation_id("silu"), False) == "cublas"  # an fp32 Z to store
+    assert resolve(None, x, weight, rank_128.bfloat16(), 0, False) == "cublas"  # past its shared memory
+    assert resolve(None, x.half(), weight.half(), pieces, 0, False) == "cublas"  # fp16 with fp32 adapters: tf32x3
     monkeypatch.setattr(lora_linear_module, "fills_the_gpu", lambda m, n, device: False)
-    assert lora_linear_module._resolve_gemm(None, x, weight, torch.float32, False) == "cublas"
-    assert lora_linear_module._resolve_gemm(None, x[:7], weight, torch.float32, False) == "cublas"  # fp32 math
-    assert lora_linear_module._resolve_gemm(None, x[:7], weight, torch.bfloat16, False) == "triton"  # one launch
-    assert lora_linear_module._resolve_gemm(None, x[:7], weight, torch.bfloat16, True) == "cublas"  # decoding
+    assert resolve(None, x, weight, pieces, 0, False) == "cublas"
+    assert resolve(None, x[:7], weight, pieces, 0, False) == "cublas"  # fp32 math in the small-batch K-loop
+    assert resolve(None, x[:7], weight, half, 0, False) == "triton"  # one launch
+    assert resolve(None, x[:7], weight, half, 0, True) == "cublas"  # decoding
 
 
 @pytest.mark.parametrize("activation", ["identity", "silu"])

@@ -144,8 +144,8 @@ def test_tma_kernel(m, k, n, config, transposed, dtype, monkeypatch):
 
 @pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
 def test_tma_kernel_walks_several_tiles_per_program(adapter_dtype, monkeypatch):
-    # The TMA kernel is persistent: with 3 programs each walks a dozen tiles (a partial row group and partial column
-    # blocks included). float32 adapters take the bf16-piece epilogue.
+    # The TMA kernel is persistent: with 3 programs each walks five of the 15 tiles (a partial row group and partial
+    # column blocks included). float32 adapters take the bf16-piece epilogue.
     module = importlib.import_module("lorafuse.ops.lora_matmul")
     monkeypatch.setattr(module, "tma_ready", lambda a, b: True)
     monkeypatch.setattr(module, "sm_count", lambda device: 3)
