@@ -214,11 +214,11 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
                                                for t in (x2, weight, bias, lora_A, lora_B))
     # lora_decode's kernel recomputes the shrink per program: with fp32 adapter math its tiles spill (measured 35-100x
     # the GEMV on an H100), so fp32 adapters take it only on one row (ops.gemv's shrink) or stacked (no shrink kernel).
+    stacked = stacked_weights(weight, lora_A) is not None
     decoding = (not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
-                and (takes_gemv(x2, weight, lora_A) or not lora_in_fp32(x2.dtype, lora_A.dtype)
-                     or stacked_weights(weight, lora_A) is not None))
+                and (takes_gemv(x2, weight, lora_A) or not lora_in_fp32(x2.dtype, lora_A.dtype) or stacked))
     # the reference computes in the operands' dtypes: one dtype for bias and x, one for the adapters
-    launch_bound = (not training and dropout_p == 0.0 and _launch_bound(x2) and stacked_weights(weight, lora_A) is None
+    launch_bound = (not training and dropout_p == 0.0 and not stacked and _launch_bound(x2)
                     and (bias is None or bias.dtype == x2.dtype) and lora_A.dtype == lora_B.dtype)
     gemm = _resolve_gemm(gemm, x2, weight, lora_A, act, decoding, launch_bound)
     if gemm == "torch":

@@ -75,8 +75,7 @@ def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr,
             tl.store(l_ptr + rows[:, None] * rank + ranks[None, :], low,
                      mask=(rows[:, None] < M) & (ranks[None, :] < rank))
     else:
-        low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
-                      other=0.0)
+        low = _rank_r_rows(l_ptr, rows, M, rank, R)
     _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, scale, stride_rr, stride_rn,
               ACT, HAS_BIAS, STORE_Z, LORA_FP32, ON_PIECES, R, LORA_PRECISION)
 
@@ -89,6 +88,14 @@ def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     first_m = tile // (GROUP_M * blocks_n) * GROUP_M
     group_m = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
     return first_m + (tile % (GROUP_M * blocks_n)) % group_m, (tile % (GROUP_M * blocks_n)) // group_m
+
+
+@triton.jit
+def _rank_r_rows(l_ptr, rows, M, rank, R: tl.constexpr):
+    # L[rows] as a [BM, R] fp32 tile (L: [M, rank] contiguous; ranks past `rank` and rows past M read zeros)
+    ranks = tl.arange(0, R)
+    return tl.load(l_ptr + rows[:, None] * rank + ranks[None, :], mask=(rows[:, None] < M) & (ranks[None, :] < rank),
+                   other=0.0)
 
 
 @triton.jit
@@ -144,13 +151,11 @@ def _lora_matmul_tma(a_desc, b_desc, c_desc, z_desc, l_ptr, r_ptr, bias_ptr, M, 
     # (x @ W^T), else over B [K, N] in [BK, BN] boxes (g @ W); c_desc (z_desc) over C (Z) [M, N] in [BM, BN / 2]
     # boxes. Out-of-range boxes read zeros and are clipped on store. The epilogue's rank-r operands are loaded
     # before the K-loop, so their latency hides behind it (measured 1-2 % of the GEMM).
-    ranks = tl.arange(0, R)
     for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        low = tl.load(l_ptr + rows[:, None] * rank + ranks[None, :],
-                      mask=(rows[:, None] < M) & (ranks[None, :] < rank), other=0.0)
+        low = _rank_r_rows(l_ptr, rows, M, rank, R)
         r = _rank_r_tile(r_ptr, cols, N, rank, stride_rr, stride_rn, R)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -245,8 +250,7 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
         b_host = b.t() if b_k_major else b
         b_block = [block_n, block_k] if b_k_major else [block_k, block_n]
         c_desc = TensorDescriptor.from_tensor(c, [block_m, block_n // 2])
-        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-        programs = min(tiles, sm_count(a.device))
+        programs = min(grid[0], sm_count(a.device))  # persistent: at most one program per SM
         stages = _tma_stages(stages, store_z and z.element_size() == 4)
         _lora_matmul_tma[(programs,)](
             TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b_host, b_block),
