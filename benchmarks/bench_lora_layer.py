@@ -13,8 +13,7 @@ lorafuse_fast (LORAFUSE_ADAPTER_MATH=fast: adapter products in bf16), and lorafu
 lorafuse_cublas (the two GEMM back-ends forced). bf16, r=16, 8192 tokens, forward and
 forward+backward (frozen base weight, input requiring grad); decode sizes forward only, with two more
 providers there: lorafuse_bf16 (the adapters cast to bf16, as lorafuse.inference.Engine serves them) and
-lorafuse_matmul (that, with the single Triton GEMM that fuses the shrink into its K-loop, LORAFUSE_GEMM=triton),
-lorafuse_stacked (bf16, lora_A stored after the frozen weight as the Engine lays it out: one GEMM, one expand).
+lorafuse_matmul (that, with the single Triton GEMM that fuses the shrink into its K-loop, LORAFUSE_GEMM=triton).
 Modes: fwd and fwd_bwd are eager calls of the one layer; fwd_graph and fwd_bwd_graph the same calls replayed from a
 CUDA graph, the GPU time alone (an eager call of one layer also waits on Python and the kernel launchers, which a
 model's many layers hide as the host runs ahead of the GPU).
@@ -35,7 +34,6 @@ from benchmarks.common import capture, environment, time_ms, write_rows  # noqa:
 import lorafuse  # noqa: E402
 from lorafuse.ops import lora_linear_reference  # noqa: E402
 from lorafuse.ops.lora_linear import lora_linear  # noqa: E402
-from lorafuse.ops.lora_decode import stack_weights  # noqa: E402
 from lorafuse.ops.lora_matmul import lora_matmul  # noqa: E402
 
 TRAIN_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
@@ -99,7 +97,8 @@ def check_correctness():
                             if not (e <= bound):  # NaN fails here too
                                 failures.append(f"{gemm} p={p} {act} {dtype}/{adapter_dtype} M={rows} {name}: "
                                                 f"{e:.2e} > {bound:.2e}")
-    # Decoding (no gradient, <= 16 rows, no dropout): cuBLAS's GEMV plus lora_decode.
+    # Decoding (no gradient, <= 16 rows, no dropout): lora_decode's kernels, as a CUDA-graph capture runs them (eager
+    # calls of so few rows take PyTorch's launches).
     for dtype, adapter_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                  (torch.bfloat16, torch.float32)):
         for rows, act in ((1, "identity"), (7, "silu"), (16, "gelu")):
@@ -107,7 +106,7 @@ def check_correctness():
             A, B = torch.randn(r, K, device="cuda") / K ** 0.5, torch.randn(N, r, device="cuda") * 0.1
 
             def infer(fn, dt, adt):
-                with torch.no_grad():
+                with torch.no_grad(), mock.patch("lorafuse.ops.lora_linear._launch_bound", lambda x: False):
                     return fn(x.to(dt), w.to(dt), b, A.to(adt), B.to(adt), 0.5, 0.0, act)
 
             ref = infer(lora_linear_reference, torch.float64, torch.float64)
@@ -176,28 +175,32 @@ def sweep_configs():
 
 
 def sweep_decode():
-    """lora_decode launch configs at decode sizes: GPU time per call replayed from a CUDA graph over layer copies
-    whose weights rotate past the L2, against cuBLAS's GEMV alone (the base)."""
+    """lora_decode launch configs at decode sizes (4 and 16 rows): GPU time per call replayed from a CUDA graph over
+    layer copies whose weights rotate past the L2, against cuBLAS's GEMM alone (the base); bf16 and fp32 adapters."""
     from lorafuse.ops.lora_decode import lora_decode
-    configs = [(n, k, w, st) for n in (32, 64, 128) for k in (128, 256, 512) for w in (4, 8) for st in (2, 4)]
-    print("\ndecode sweep: us per call (ratio to the base GEMV); best config per shape")
-    for (k, n), m in ((shape, m) for shape in DECODE_SHAPES for m in (1, 16)):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("\ndecode sweep: us per call (ratio to the base GEMM); the default, then the best configs")
+    for (k, n), m, adapter_dtype in ((shape, m, a) for shape in DECODE_SHAPES for m in (4, 16)
+                                     for a in (torch.bfloat16, torch.float32)):
         copies = max(8, 256 * 2**20 // (k * n * 2))
         layers = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
                    torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
-                   torch.randn(RANK, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
-                   torch.randn(n, RANK, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+                   (torch.randn(RANK, k, device="cuda") / k ** 0.5).to(adapter_dtype),
+                   (torch.randn(n, RANK, device="cuda") * 0.02).to(adapter_dtype)) for _ in range(copies)]
 
         def us(fn):
             graph = capture(lambda: [fn(*layer) for layer in layers])[0]
-            return time_ms(graph.replay)[0] / copies * 1e3
+            return time_ms(graph.replay, rep_ms=50)[0] / copies * 1e3
 
+        # (BLOCK_N, BLOCK_K, splits, num_warps, num_stages), splits for about 0.7, 1.5 or 2.5 programs per SM
+        configs = sorted({(bn, bk, max(1, min(round(per_sm * sms / -(-n // bn)), k // (2 * bk), 8)), 4, 4)
+                          for bn in (32, 64) for bk in (128, 256) for per_sm in (0.7, 1.5, 2.5)})
         base = us(lambda x, w, a, b: x @ w.t())
         timed = sorted((us(lambda x, w, a, b, c=cfg: lora_decode(x, w, None, a, b, 2.0, config=c)), cfg)
                        for cfg in configs)
         default = us(lambda x, w, a, b: lora_decode(x, w, None, a, b, 2.0))
-        print(f"  M{m}_K{k}_N{n}: base {base:.1f}, default {default:.1f} ({default / base:.2f}); "
-              + ", ".join(f"{cfg} {t:.1f} ({t / base:.2f})" for t, cfg in timed[:4]))
+        print(f"  M{m}_K{k}_N{n} {str(adapter_dtype)[6:]} adapters: base {base:.1f}, default {default:.1f} "
+              f"({default / base:.2f}); " + ", ".join(f"{cfg} {t:.1f} ({t / base:.2f})" for t, cfg in timed[:3]))
 
 
 def breakdown():
@@ -305,14 +308,8 @@ def bench_decode(env):
         peft = [peft_model(k, n, 0.0, torch.bfloat16).eval() for _ in range(copies)]
         fused = [lorafuse.fuse(copy.deepcopy(p)) for p in peft]
         fused_bf16 = [copy.deepcopy(f).to(torch.bfloat16) for f in fused]
-        stacked = [copy.deepcopy(f) for f in fused_bf16]
-        for model in stacked:
-            layer = model.base_model.model.proj
-            lora_A = layer.lora_A["default"].weight
-            layer.base_layer.weight.data, lora_A.data = stack_weights(layer.base_layer.weight, lora_A)
         providers = {"base": [p.base_model.model.proj.base_layer for p in peft], "peft": peft, "lorafuse": fused,
-                     "lorafuse_fast": fused, "lorafuse_bf16": fused_bf16, "lorafuse_matmul": fused_bf16,
-                     "lorafuse_stacked": stacked}
+                     "lorafuse_fast": fused, "lorafuse_bf16": fused_bf16, "lorafuse_matmul": fused_bf16}
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         times = {}
         for name, models in providers.items():
@@ -368,9 +365,9 @@ def main():
     write_rows(rows, "lora_layer", out_dirs)
     print(f"\n{'shape':34} {'mode':9} " + " ".join(f"{p:>16}" for p in
                                                    ("peft", "peft_compiled", "lorafuse", "lf_fast", "lf_triton",
-                                                    "lf_cublas", "lf_bf16", "lf_matmul", "lf_stacked")))
+                                                    "lf_cublas", "lf_bf16", "lf_matmul")))
     names = ("peft", "peft_compiled", "lorafuse", "lorafuse_fast", "lorafuse_triton", "lorafuse_cublas",
-             "lorafuse_bf16", "lorafuse_matmul", "lorafuse_stacked")
+             "lorafuse_bf16", "lorafuse_matmul")
     keys = sorted({(r["shape"], r["mode"]) for r in rows}, key=lambda t: (t[0].startswith("M1"), t))
     for shape, mode in keys:
         by = {r["provider"]: r for r in rows if r["shape"] == shape and r["mode"] == mode}

@@ -12,7 +12,6 @@ from transformers import PreTrainedModel, StaticCache
 
 from .._logging import log_once
 from ..ops.attention_windows import windows_of_one_query
-from ..ops.lora_decode import shares_buffer, stack_weights
 from . import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -137,8 +136,7 @@ CAPTURED_MARK = "_lorafuse_graphs_hold_weights"
 
 def mark_captured(model: torch.nn.Module) -> None:
     """Record that CUDA graphs now read `model`'s weights at their addresses (an engine captured its decode step):
-    no later layout may move them (stack_adapters, the fused step's stacking), or those graphs would read freed
-    memory."""
+    no later layout may move them (the fused step's stacking), or those graphs would read freed memory."""
     setattr(causal_lm(model), CAPTURED_MARK, True)
 
 
@@ -149,8 +147,8 @@ def weights_captured(model: torch.nn.Module) -> bool:
 
 def cast_adapters(model: torch.nn.Module) -> None:
     """A PeftModel's LoRA weights cast in place to the dtype of its embeddings (PEFT keeps adapters of a 16-bit model
-    in float32: they are rounded, and that is logged once), so that decoding runs them in one GEMM with the frozen
-    weights. Models without adapters are left as they are."""
+    in float32: they are rounded, and that is logged once), so that the fused decode step runs them in one GEMM with
+    the frozen weights. Models without adapters are left as they are."""
     if not isinstance(model, PeftModel):
         return
     dtype = causal_lm(model).get_input_embeddings().weight.dtype
@@ -163,30 +161,6 @@ def cast_adapters(model: torch.nn.Module) -> None:
                      f"the model's {dtype} for decoding (Engine(stack_adapters=False) keeps them)")
         module.lora_A.to(dtype)
         module.lora_B.to(dtype)
-
-
-def stack_adapters(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with a PeftModel's LoRA weights cast in place (cast_adapters), and each LoRA Linear's active lora_A
-    stored right after its frozen weight, in one buffer: decoding then gets the base output and the shrink from one
-    GEMM (lorafuse.ops.lora_decode). Parameters and module names stay; weights laid out before (by this, or for the
-    fused decode step) keep their addresses (a second call moves nothing); models without adapters are returned as
-    they are."""
-    if not isinstance(model, PeftModel):
-        return model
-    cast_adapters(model)
-    adapter = model.active_adapter
-    captured = weights_captured(model)
-    for module in model.modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        base = module.get_base_layer()
-        if adapter in module.lora_A and type(base) is torch.nn.Linear and not getattr(module, "fan_in_fan_out", False):
-            lora_A = module.lora_A[adapter].weight
-            # Laid out already, or captured where they are by another engine on this model: moving the weights
-            # would strand its graphs (the layer then decodes unstacked: slower, still right).
-            if not shares_buffer(base.weight) and not captured:
-                base.weight.data, lora_A.data = stack_weights(base.weight, lora_A)
-    return model
 
 
 def hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,

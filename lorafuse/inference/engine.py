@@ -56,17 +56,17 @@ class Engine:
 
     With `fused_step` (by default on CUDA) the decode step is lorafuse.hf.fused_decode's: ten launches per decoder
     layer, the unmerged adapter inside them, the weights of each of a layer's GEMMs laid out in place in one buffer
-    (for good, as stack_adapters below). Models it does not cover (the reason logged once: `fused_step_reason`),
+    (for good: see stack_adapters below). Models it does not cover (the reason logged once: `fused_step_reason`),
     and fused_step=False, run the decode step as transformers' forward; the prefill always does. (On a CPU the
     fused step runs only with TRITON_INTERPRET=1, slowly: it is for tests.)
 
     With `merge`, a PeftModel's adapter is folded into the weights first (in place, PEFT's merge_and_unload);
     otherwise it stays unmerged and `swap_adapter` replaces it in place. With `stack_adapters` (the default) the
-    unmerged adapters are changed in place on the user's model, for good: cast to the model's dtype (PEFT keeps
-    them in float32 for training; they are rounded, logged once; vLLM serves LoRA in the model's dtype too) and
-    each lora_A stored right after its frozen weight (decoding.stack_adapters: one GEMM then gives both
-    products; the fused step stacks a layer's projections instead). Pass stack_adapters=False to keep the model's
-    adapters as they are, at a slower decode step (transformers' forward). The
+    fused step changes the unmerged adapters in place on the user's model, for good: cast to the model's dtype
+    (PEFT keeps them in float32 for training; they are rounded, logged once; vLLM serves LoRA in the model's dtype
+    too) and each lora_A stored with the frozen weights of its GEMM. Pass stack_adapters=False to keep the model's
+    adapters as they are, at a slower decode step (transformers' forward, whose fused LoRA layers decode them
+    through lorafuse.ops.lora_decode as they are). The
     engine's own forwards run RMSNorm on one kernel; the model's other forwards are left alone. On CUDA (or with
     `cuda_graphs=True`) each bucket's decode step is captured at construction (`capture_seconds` says how long
     that took). Models other than Llama, Mistral, Qwen2 and Qwen3 run transformers' generate, the reason logged
@@ -97,8 +97,6 @@ class Engine:
             return
         self.fused_step_reason = self._fused_step_reason(fused_step, stack_adapters)
         self._fused = fused_decode.FusedDecoder(self.model) if self.fused_step_reason is None else None
-        if self._fused is None and stack_adapters and not merge:
-            decoding.stack_adapters(self.model)
         self._norms = model_kernels.llama_rms_norms(decoding.causal_lm(self.model))
         self._latest = None  # (rows, how many of them the latest batch used)
         cache = decoding.static_cache(self.model, self.buckets[-1], max_length)

@@ -1,26 +1,32 @@
-"""LoRA on a few rows (decoding): y = act(x W^T + bias + scale * (x A^T) B^T) in two launches, without autograd.
+"""LoRA on a few rows (decoding): y = act(x W^T + bias + scale * (x A^T) B^T) without autograd.
 
-At decode sizes reading the weights is all the work, and a Triton GEMM with one program per output tile does not
-reach cuBLAS's GEMV bandwidth with so few rows (lora_matmul, shrink in its K-loop: 1.2-2.4x the GEMV alone,
-benchmarks/results/lora_layer.csv). Three ways, inference only (no dropout, no saved tensors):
-  one row   ops.gemv reads W (faster than cuBLAS at batch 1) and A in one launch: x W^T and the shrink s = x A^T in
-            fp32, whatever A's dtype; lora_expand adds scale * s B^T + bias (and the activation) in one pass over y;
-  stacked   lora_A's rows lie right after the frozen weight's in memory (lorafuse.inference.Engine lays the
-            weights out so): one cuBLAS GEMM of x with [W; A] gives x W^T and the shrink together, then lora_expand;
-  otherwise cuBLAS computes x W^T + bias, and `_lora_delta` recomputes the small shrink in every program (from
-            L2) before its columns' expand, in place: its K-loop costs 5-12 us on an H100 (the sweep in
-            bench_lora_layer.py --sweep-decode), which the other two avoid.
+At decode sizes reading the weights is all the work; what matters is keeping every SM streaming them and adding
+no launch that waits on a full pass. Inference only (no dropout, no saved tensors):
+  one row    ops.gemv reads W (faster than cuBLAS at batch 1) and A in one launch: x W^T and the shrink s = x A^T in
+             fp32, whatever A's dtype; lora_expand adds scale * s B^T + bias (and the activation) in one pass over y;
+  2-16 rows  `_rows_chunks` splits K into chunks over about 1.5 programs per SM: each sums x_k W_k^T for a block of
+             columns, a few more sum the shrink x_k A_k^T once (not per column block), and `_expand_chunks` adds the
+             chunks up with scale * s B^T, bias and the activation. Since the LoRA term is linear in x, no chunk needs
+             the whole shrink before its own sum. Two launches: 1.03-1.39x cuBLAS's GEMM alone on an H200, where
+             cuBLAS's GEMM of x with [W; A] plus lora_expand took 1.09-1.40x (.scratch sweep, M = 4 and 16).
+The helpers that lay weights out one after another in one buffer (stack_rows, stacked_rows) serve
+lorafuse.hf.fused_decode, whose step runs one GEMM over a layer's stacked projections.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._tiles import lora_in_fp32, lora_precision, padded_rank
+from ._bf16_pieces import split_bf16, uses_bf16_pieces
+from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count
 from .activation import activate, activation_reference
 from .gemv import gemv_and_shrink
 from .lora_expand import lora_expand
+from .lora_matmul import _add_rank_r
 
-DECODE_MAX_ROWS = 16  # rows of one tl.dot tile: the shrink is recomputed per program, cheap only while M is small
+DECODE_MAX_ROWS = 16  # rows of one tl.dot tile
+EXPAND_BLOCK_N = 64  # columns a program of _expand_chunks sums and expands
+MAX_SPLITS = 8  # _expand_chunks holds [splits, 16, 64] fp32 partials in registers
+SHRINK_PARTIALS = 4096  # fp32 values of the shrink's partials that _expand_chunks sums at once (16 chunks at r <= 16)
 
 
 def lora_decode_reference(x, weight, bias, lora_A, lora_B, scale, activation="identity"):
@@ -65,67 +71,138 @@ def shares_buffer(weight: torch.Tensor) -> bool:
     return weight.untyped_storage().nbytes() > weight.numel() * weight.element_size()
 
 
-def stacked_weights(weight: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor | None:
-    """[W; A] as one [N + r, K] view when lora_A's rows follow the frozen weight's in memory, else None."""
-    # weight: [N, K], lora_A: [r, K]
-    return stacked_rows([weight, lora_A])
-
-
-def stack_weights(weight: torch.Tensor, lora_A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """New (weight, lora_A) holding the same values, lora_A cast to weight's dtype and stored right after it in
-    one buffer (see stacked_weights)."""
-    # weight: [N, K], lora_A: [r, K]
-    return tuple(stack_rows([weight, lora_A], weight.dtype))
+@triton.jit
+def _chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, stride_mr, stride_mk,
+                   EVEN_K: tl.constexpr, CD: tl.constexpr, ON_PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # x[:, k_start:k_end] @ Mat[m_rows, k_start:k_end]^T as a [BLOCK_M, len(m_rows)] fp32 tile (x: [M, K] with unit
+    # column stride, Mat: [n_m, K]; rows past M or n_m read zeros). ON_PIECES: Mat is fp32 and x bf16 (exact), so
+    # three bf16 dots with Mat's pieces give the fp32 product.
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, m_ok = rows[:, None] < M, m_rows[:, None] < n_m
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + ks)[None, :]
+    m_ptrs = m_ptr + m_rows[:, None].to(tl.int64) * stride_mr + (k_start + ks)[None, :].to(tl.int64) * stride_mk
+    acc = tl.zeros([BLOCK_M, m_rows.shape[0]], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            m = tl.load(m_ptrs, mask=m_ok, other=0.0, eviction_policy="evict_first")  # weights are read once
+        else:
+            k_ok = (k0 + ks)[None, :] < k_end
+            x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
+            m = tl.load(m_ptrs, mask=m_ok & k_ok, other=0.0, eviction_policy="evict_first")
+        if ON_PIECES:
+            m0, m1, m2 = split_bf16(m)
+            acc = tl.dot(x, tl.trans(m2), tl.dot(x, tl.trans(m1), tl.dot(x, tl.trans(m0), acc)))
+        else:
+            acc = tl.dot(x.to(CD), tl.trans(m.to(CD)), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        m_ptrs += BLOCK_K * stride_mk
+    return acc
 
 
 @triton.jit
-def _lora_delta(y_ptr, x_ptr, a_ptr, b_ptr, M, N, K, rank, scale, stride_xm, stride_ar, stride_ak, stride_bn,
-                stride_br, ACT: tl.constexpr, LORA_FP32: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # y: [M, N] contiguous (the base output x W^T + bias, updated in place); x: [M, K] (unit column stride);
-    # A: [rank, K], B: [N, rank]. One program per BLOCK_N columns, every row.
-    cd = tl.float32 if LORA_FP32 else y_ptr.dtype.element_ty
+def _rows_chunks(x_ptr, w_ptr, a_ptr, part_ptr, low_ptr, M, N, K, k_chunk, shrink_chunk, shrink_splits, rank,
+                 stride_xm, stride_wn, stride_wk, stride_ar, stride_ak, EVEN_K: tl.constexpr, LORA_FP32: tl.constexpr,
+                 ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
+    # x: [M <= BLOCK_M, K], W: [N, K], A: [rank, K]; partials: [splits, M, N] fp32, low partials:
+    # [shrink_splits, M, R] fp32. The first shrink_splits programs sum the shrink x_k A_k^T over chunks of
+    # shrink_chunk (once, not in every column block; short chunks, as fp32 adapters' pieces cost three dots a step);
+    # the others sum x_k W_k^T over chunks of k_chunk for BLOCK_N columns each.
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    if pid < shrink_splits:
+        ranks = tl.arange(0, R)
+        k_start = pid * shrink_chunk
+        cd = tl.float32 if LORA_FP32 else x_ptr.dtype.element_ty
+        low = _chunk_product(x_ptr, a_ptr, ranks, rank, k_start, tl.minimum(k_start + shrink_chunk, K), M,
+                             stride_xm, stride_ar, stride_ak, EVEN_K, cd, ON_PIECES, BLOCK_M, BLOCK_K, LORA_PRECISION)
+        tl.store(low_ptr + (pid * M + rows[:, None]) * R + ranks[None, :], low, mask=rows[:, None] < M)
+    else:
+        blocks_n = tl.cdiv(N, BLOCK_N)
+        pid_n, pid_k = (pid - shrink_splits) % blocks_n, (pid - shrink_splits) // blocks_n
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = pid_k * k_chunk
+        acc = _chunk_product(x_ptr, w_ptr, cols, N, k_start, tl.minimum(k_start + k_chunk, K), M, stride_xm,
+                             stride_wn, stride_wk, EVEN_K, x_ptr.dtype.element_ty, False, BLOCK_M, BLOCK_K, PRECISION)
+        offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(part_ptr + offs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _expand_chunks(part_ptr, low_ptr, b_ptr, bias_ptr, y_ptr, M, N, rank, splits, shrink_splits, scale, stride_bn,
+                   stride_br, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_FP32: tl.constexpr,
+                   ON_PIECES: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    # y[:, cols] = act(sum of the chunks' x_k W_k^T + scale * (sum of their x_k A_k^T) B^T + bias): y: [M, N]
+    # contiguous, B: [N, rank]; the partials as `_rows_chunks` wrote them. Each sum is one [chunks, rows, cols] load
+    # (SPLITS, SHRINK_SPLITS: the chunk counts padded to powers of two), so its loads are in flight together.
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, R)
-    ks = tl.arange(0, BLOCK_K)
-    low = tl.zeros([BLOCK_M, R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks)[None, :] < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=(rows[:, None] < M) & k_ok, other=0.0)
-        a = tl.load(a_ptr + ranks[:, None] * stride_ar + (k0 + ks)[None, :] * stride_ak,
-                    mask=(ranks[:, None] < rank) & k_ok, other=0.0)
-        low = tl.dot(x.to(cd), tl.trans(a.to(cd)), low, input_precision=PRECISION)
-    b = tl.load(b_ptr + cols[:, None] * stride_bn + ranks[None, :] * stride_br,
-                mask=(cols[:, None] < N) & (ranks[None, :] < rank), other=0.0)
-    delta = tl.dot((low * scale).to(cd), tl.trans(b.to(cd)), input_precision=PRECISION)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows[:, None] * N + cols[None, :]
-    z = tl.load(y_ptr + offs, mask=mask).to(tl.float32) + delta
-    tl.store(y_ptr + offs, activate(z, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+    chunks = tl.arange(0, SPLITS)[:, None, None]
+    acc = tl.sum(tl.load(part_ptr + ((chunks * M + rows[None, :, None]) * N).to(tl.int64) + cols[None, None, :],
+                         mask=(chunks < splits) & mask[None, :, :], other=0.0), 0)
+    chunks = tl.arange(0, SHRINK_SPLITS)[:, None, None]
+    low = tl.sum(tl.load(low_ptr + (chunks * M + rows[None, :, None]) * R + ranks[None, None, :],
+                         mask=(chunks < shrink_splits) & (rows[None, :, None] < M), other=0.0), 0)
+    b = tl.load(b_ptr + cols[None, :] * stride_bn + ranks[:, None] * stride_br,
+                mask=(ranks[:, None] < rank) & (cols[None, :] < N), other=0.0)
+    acc = _add_rank_r(acc, low, b, scale, tl.float32 if LORA_FP32 else y_ptr.dtype.element_ty, ON_PIECES, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], activate(acc, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_config(N, K, device):
+    """(BLOCK_N, BLOCK_K, splits, num_warps, num_stages), as swept on an H200 (M = 4 and 16, r = 16, Llama-1B/8B
+    shapes): about 1.5 programs per SM, narrow column blocks where the weight has few rows."""
+    block_n, block_k = (32 if N <= 4096 else 64), 128
+    splits = round(1.5 * sm_count(device) / triton.cdiv(N, block_n))
+    return block_n, block_k, max(1, min(splits, MAX_SPLITS, triton.cdiv(K, 4 * block_k))), 4, 4
+
+
+def _shrink_chunk(K, block_k, R):
+    # chunks of at least two K tiles, few enough that _expand_chunks holds their [chunks, 16, R] partials in registers
+    max_splits = max(1, SHRINK_PARTIALS // (DECODE_MAX_ROWS * R))
+    return max(2 * block_k, triton.cdiv(triton.cdiv(K, max_splits), block_k) * block_k)
 
 
 def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=None):
     """act(x W^T + bias + scale * (x A^T) B^T) for at most DECODE_MAX_ROWS rows, without autograd.
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) of `_lora_delta` overrides its defaults (benchmarks; one row
-    takes ops.gemv, which has no config)."""
+    config: (BLOCK_N, BLOCK_K, splits, num_warps, num_stages) of `_rows_chunks` overrides its defaults (benchmarks; one
+    row takes ops.gemv, which has no config)."""
     # x: [M <= 16, K] (unit column stride), weight: [N, K] (or a transposed view), bias: [N] or None,
     # lora_A: [r, K], lora_B: [N, r]
     M, K = x.shape
     N, r = lora_B.shape
+    if M > DECODE_MAX_ROWS:
+        raise ValueError(f"lora_decode: x has {M} rows; at most {DECODE_MAX_ROWS} fit its tiles")
     if takes_gemv(x, weight, lora_A):
         y, s = gemv_and_shrink(x, weight, lora_A)
         return lora_expand(y, s, lora_B, scale, bias, activation_id)[0]
-    stacked = stacked_weights(weight, lora_A)
-    if stacked is not None:
-        both = x @ stacked.t()  # [M, N + r]: x W^T, then s
-        return lora_expand(both[:, :N], both[:, N:], lora_B, scale, bias, activation_id)[0]
-    y = torch.nn.functional.linear(x, weight, bias)  # cuBLAS, bias included
-    # measured best on an H100 for r = 16 (--sweep-decode); larger ranks narrow the K tile to stay in registers
-    block_n, block_k, warps, stages = config or (32, 512 if r <= 16 else 128, 4, 4)
-    _lora_delta[(triton.cdiv(N, block_n),)](
-        y, x, lora_A, lora_B, M, N, K, r, scale, x.stride(0), lora_A.stride(0), lora_A.stride(1),
-        lora_B.stride(0), lora_B.stride(1), ACT=activation_id, LORA_FP32=lora_in_fp32(x.dtype, lora_A.dtype),
-        R=padded_rank(r), BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=lora_precision(x.dtype, lora_A.dtype), num_warps=warps, num_stages=stages)
+    block_n, block_k, splits, warps, stages = config or _rows_config(N, K, x.device)
+    k_chunk = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    splits = triton.cdiv(K, k_chunk)
+    R = padded_rank(r)
+    partials = torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
+    shrink_chunk = _shrink_chunk(K, block_k, R)
+    shrink_splits = triton.cdiv(K, shrink_chunk)
+    low = torch.empty(shrink_splits, M, R, device=x.device, dtype=torch.float32)
+    lora_fp32, on_pieces = lora_in_fp32(x.dtype, lora_A.dtype), uses_bf16_pieces(x.dtype, lora_A.dtype)
+    precision = lora_precision(x.dtype, lora_A.dtype)
+    _rows_chunks[(shrink_splits + triton.cdiv(N, block_n) * splits,)](
+        x, weight, lora_A, partials, low, M, N, K, k_chunk, shrink_chunk, shrink_splits, r, x.stride(0),
+        weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1), EVEN_K=K % block_k == 0,
+        LORA_FP32=lora_fp32, ON_PIECES=on_pieces, R=R, BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(x.dtype), LORA_PRECISION=precision, num_warps=warps, num_stages=stages)
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _expand_chunks[(triton.cdiv(N, EXPAND_BLOCK_N),)](
+        partials, low, lora_B, bias, y, M, N, r, splits, shrink_splits, scale, lora_B.stride(0), lora_B.stride(1),
+        ACT=activation_id, HAS_BIAS=bias is not None, LORA_FP32=lora_fp32, ON_PIECES=on_pieces, R=R,
+        SPLITS=triton.next_power_of_2(splits), SHRINK_SPLITS=triton.next_power_of_2(shrink_splits),
+        BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=EXPAND_BLOCK_N, PRECISION=precision)
     return y

@@ -10,10 +10,8 @@ LORAFUSE_GEMM environment variable or the `gemm` argument:
   "cublas"  cuBLAS, accumulating into a buffer that the adapter kernels pre-wrote
             (addmm with beta=1): one extra write of y and of dx;
   "auto"    the one measured faster for the shape and device (benchmarks/bench_lora_layer.py).
-Inference on at most 16 rows (decoding, dropout off) takes `lora_decode` on the cuBLAS route (and on "auto"),
-unless its adapter math is fp32 on more than one row and its weights are not stacked (see lora_decode). On "auto",
-such a call made eagerly (not in a CUDA-graph capture) on weights that are not stacked takes PyTorch's launches of
-the reference instead: the host's launch time is the cost there.
+On "auto", inference on at most 16 rows (decoding, dropout off) takes `lora_decode`, or, made eagerly (not in a
+CUDA-graph capture), PyTorch's launches of the reference: the host's launch time is the cost there.
 """
 import os
 
@@ -25,7 +23,7 @@ from ._bf16_pieces import uses_bf16_pieces
 from ._tiles import lora_in_fp32, padded_rank
 from .activation import activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
-from .lora_decode import DECODE_MAX_ROWS, lora_decode, stacked_weights, takes_gemv
+from .lora_decode import DECODE_MAX_ROWS, lora_decode
 from .lora_expand import lora_expand, lora_expand_backward
 from .lora_matmul import fills_the_gpu, lora_matmul, tma_ready
 from .lora_shrink import lora_shrink, lora_shrink_backward
@@ -49,7 +47,8 @@ def lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0,
 
 
 def _resolve_gemm(gemm, x, weight, lora_A, act, decoding, launch_bound=False):
-    """"triton", "cublas", or "torch" (PyTorch's launches of the reference: launch-bound calls on "auto")."""
+    """"triton", "cublas", or on "auto" also "decode" (lora_decode) and "torch" (PyTorch's launches of the reference:
+    launch-bound calls)."""
     # x: [M, K], weight: [N, K], lora_A: [r, K]; act: activation id
     gemm = gemm or os.environ.get("LORAFUSE_GEMM", "auto")
     if gemm not in GEMM_BACKENDS:
@@ -62,8 +61,8 @@ def _resolve_gemm(gemm, x, weight, lora_A, act, decoding, launch_bound=False):
         # few launches of the same math (the reference, as PEFT computes it) are the fastest there.
         return "torch"
     # Measured (benchmarks/results/lora_layer.csv, decode.csv). Decoding (inference, <= 16 rows) runs lora_decode
-    # (ops.gemv on one row, else cuBLAS's GEMV and a Triton pass): the Triton GEMM reads the weights at about half
-    # cuBLAS's bandwidth there. Other small batches take the single-launch Triton kernel (shrink in its K-loop),
+    # (ops.gemv on one row, else its split-K kernels): the Triton GEMM reads the weights at about half cuBLAS's
+    # bandwidth there. Other small batches take the single-launch Triton kernel (shrink in its K-loop),
     # unless that K-loop carries fp32 adapter math. Training sizes on Hopper take the persistent TMA kernel with the
     # rank-r term in its epilogue (1.02-1.07x cuBLAS's GEMM alone at 8192 rows, r = 16, no activation), which saves
     # the cuBLAS route's pre-write of y and its read-back, where it was measured so: 16-bit adapter math or bf16
@@ -71,7 +70,7 @@ def _resolve_gemm(gemm, x, weight, lora_A, act, decoding, launch_bound=False):
     # costs it a stage: 1.21x slower than cuBLAS's route). Elsewhere cuBLAS plus the fused epilogue kernels.
     M = x.shape[0]
     if decoding:
-        return "cublas"
+        return "decode"
     fp32_math = lora_in_fp32(x.dtype, lora_A.dtype)
     if M <= FUSED_SHRINK_MAX_ROWS:
         return "cublas" if fp32_math else "triton"
@@ -212,14 +211,10 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
         x2 = x2.contiguous()
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                for t in (x2, weight, bias, lora_A, lora_B))
-    # lora_decode's kernel recomputes the shrink per program: with fp32 adapter math its tiles spill (measured 35-100x
-    # the GEMV on an H100), so fp32 adapters take it only on one row (ops.gemv's shrink) or stacked (no shrink kernel).
-    stacked = stacked_weights(weight, lora_A) is not None
-    decoding = (not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
-                and (takes_gemv(x2, weight, lora_A) or not lora_in_fp32(x2.dtype, lora_A.dtype) or stacked))
+    decoding = not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
     # the reference computes in the operands' dtypes: one dtype for bias and x, one for the adapters
-    launch_bound = (not training and dropout_p == 0.0 and not stacked and _launch_bound(x2)
-                    and (bias is None or bias.dtype == x2.dtype) and lora_A.dtype == lora_B.dtype)
+    launch_bound = (decoding and _launch_bound(x2) and (bias is None or bias.dtype == x2.dtype)
+                    and lora_A.dtype == lora_B.dtype)
     gemm = _resolve_gemm(gemm, x2, weight, lora_A, act, decoding, launch_bound)
     if gemm == "torch":
         return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, 0.0, activation)
@@ -227,7 +222,7 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     with torch.autocast(x.device.type, enabled=False):
         if training:
             y = _LoraLinear.apply(*args)
-        elif decoding and gemm == "cublas":
+        elif gemm == "decode":
             y = lora_decode(x2, weight, bias, lora_A, lora_B, float(scale), act)
         else:
             y = _fused_forward(*args, store_z=False)[0]  # inference: no autograd node, less launch overhead

@@ -8,7 +8,6 @@ from peft import PeftModel
 
 import lorafuse
 from lorafuse.inference import Engine, SamplingParams
-from lorafuse.ops.lora_decode import stacked_weights
 from tests.hf.families import lora_layer_kinds
 from tests.inference.helpers import hf_greedy, prompts, tiny_llama, with_lora
 
@@ -96,31 +95,22 @@ def test_fused_layers_and_attention_decode_and_swap(saved, fallback_log):
     assert lora_layer_kinds(model) == {"FusedLoraLinear": 8}
 
 
-def test_unmerged_adapter_is_cast_and_stacked_under_the_frozen_weights(saved, fallback_log):
-    # PEFT keeps the adapter of a bf16 model in float32 (for training); the engine casts it to bf16 in place (said
-    # once: the user's adapter is rounded) and stores each lora_A right after its frozen weight (one GEMM then
-    # gives both), with the rounded values. stack_adapters=False leaves the model alone.
+def test_transformers_step_leaves_the_adapter_as_it_is(saved, fallback_log):
+    # PEFT keeps the adapter of a bf16 model in float32 (for training). Only the fused step (tests/inference/
+    # test_fused_step.py) casts and re-lays it out; transformers' step decodes it as it is, through the fused LoRA
+    # layers (lora_decode sums float32 adapters in fp32): same dtypes, values and addresses after two engines.
     model = PeftModel.from_pretrained(tiny_llama().to(torch.bfloat16), saved[0] / "A").eval()
-    before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    lora = [param for name, param in model.named_parameters() if "lora_" in name]
-    assert lora and {param.dtype for param in lora} == {torch.float32}
-    Engine(model, max_length=8, buckets=(1,), stack_adapters=False)
-    assert {param.dtype for param in lora} == {torch.float32} and not fallback_log.records
-    Engine(model, max_length=8, buckets=(1,))
-    assert {param.dtype for param in lora} == {torch.bfloat16}
-    assert [r.message for r in fallback_log.records if "cast in place from torch.float32" in r.message]
+    before = {name: (param.detach().clone(), param.data_ptr()) for name, param in model.named_parameters()}
+    assert {param.dtype for name, param in model.named_parameters() if "lora_" in name} == {torch.float32}
+    Engine(model, max_length=8, buckets=(1,), fused_step=False, stack_adapters=False)
+    Engine(model, max_length=8, buckets=(1,), fused_step=False)
+    assert not [r.message for r in fallback_log.records if "cast in place" in r.message]
     for name, param in model.named_parameters():
-        assert torch.equal(param, before[name].to(param.dtype)), name
-    layers = [m for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-    assert len(layers) == 8 and all(stacked_weights(m.base_layer.weight, m.lora_A["default"].weight) is not None
-                                    for m in layers)
-    # A second engine on the same model moves nothing: the first one's captured steps hold these addresses.
-    addresses = [param.data_ptr() for param in model.parameters()]
-    Engine(model, max_length=8, buckets=(1,))
-    assert [param.data_ptr() for param in model.parameters()] == addresses
+        assert param.dtype == before[name][0].dtype and torch.equal(param, before[name][0]), name
+        assert param.data_ptr() == before[name][1], name
 
 
-def test_a_stacked_adapter_saves_and_merges_as_before(saved, tmp_path):
+def test_an_adapter_decoded_by_an_engine_saves_and_merges_as_before(saved, tmp_path):
     model = peft_model(saved, "A")
     engine = Engine(model, max_length=24, buckets=(8,))
     tokens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))

@@ -7,7 +7,7 @@ import torch
 
 from lorafuse.ops import lora_linear
 from lorafuse.ops.activation import activation_id
-from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference, stack_weights, stacked_weights
+from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference, stack_rows, stacked_rows
 from tests.ops._helpers import DTYPES, assert_close, dtype_id
 
 lora_linear_module = importlib.import_module("lorafuse.ops.lora_linear")  # lorafuse.ops exports the function
@@ -43,6 +43,22 @@ def test_matches_reference(case, dtype):
     check(operands(m, k, n, r, dtype, dtype), activation, dtype)
 
 
+@pytest.mark.parametrize("x_dtype, adapter_dtype", [(torch.bfloat16, torch.float32),  # bf16 pieces of A
+                                                     (torch.float16, torch.float32),   # tf32x3
+                                                     (torch.bfloat16, torch.bfloat16)], ids=["bf16_fp32", "fp16_fp32",
+                                                                                             "bf16_bf16"])
+@pytest.mark.parametrize("k, config", [(300, (32, 64, 3, 4, 2)),   # chunks of 128, 128 and 44: ragged K tiles
+                                       (256, (64, 64, 2, 4, 3)),   # two chunks of whole K tiles (EVEN_K)
+                                       (256, (16, 128, 1, 4, 2))])  # one chunk
+def test_k_chunks_add_up(k, config, x_dtype, adapter_dtype):
+    # K cut into chunks: each adds its x_k W_k^T and its shrink x_k A_k^T; _expand_chunks sums them and expands
+    inputs = operands(11, k, 150, 24, x_dtype, adapter_dtype)
+    got = lora_decode(*inputs.values(), SCALE, activation_id("gelu"), config=config)
+    exact = lora_decode_reference(*(t.double() for t in inputs.values()), SCALE, "gelu")
+    assert got.dtype == x_dtype and not got.isnan().any()
+    assert_close(got, exact, x_dtype, lora_decode_reference(*inputs.values(), SCALE, "gelu"))
+
+
 def test_float32_adapters_on_bfloat16_no_bias_transposed_weight():
     # PEFT's float32 adapters on a bf16 base; a [K, N] weight passed transposed (fan_in_fan_out, GPT-2's Conv1D)
     inputs = operands(5, 300, 150, 8, torch.bfloat16, torch.float32, bias=False)
@@ -51,37 +67,31 @@ def test_float32_adapters_on_bfloat16_no_bias_transposed_weight():
     check(inputs, "gelu_tanh", torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] > 1], ids=case_id)
-def test_stacked_weights_match_reference(case, dtype, monkeypatch):
-    # lora_A stored right after the frozen weight: one GEMM gives x W^T and the shrink, lora_expand the rest (one row
-    # takes ops.gemv whatever the layout: test_one_row_runs_gemv_and_shrink)
-    m, k, n, r, activation = case
-    inputs = operands(m, k, n, r, dtype, dtype)
-    inputs["weight"], inputs["lora_A"] = stack_weights(inputs["weight"], inputs["lora_A"])
-    assert stacked_weights(inputs["weight"], inputs["lora_A"]) is not None
-    expands = []
-    real = lora_decode_module.lora_expand
-    monkeypatch.setattr(lora_decode_module, "lora_expand", lambda *a, **k: expands.append(1) or real(*a, **k))
-    check(inputs, activation, dtype)
-    assert expands == [1]
+def test_weights_stacked_in_one_buffer_decode_alike():
+    # the fused decode step's layout (lora_A right after the frozen weight): views into one buffer, same values
+    inputs = operands(6, 300, 150, 8, torch.bfloat16, torch.bfloat16)
+    alone = lora_decode(*inputs.values(), SCALE, activation_id("silu"))
+    inputs["weight"], inputs["lora_A"] = stack_rows([inputs["weight"], inputs["lora_A"]], torch.bfloat16)
+    assert stacked_rows([inputs["weight"], inputs["lora_A"]]) is not None
+    assert torch.equal(lora_decode(*inputs.values(), SCALE, activation_id("silu")), alone)
+    check(inputs, "silu", torch.bfloat16)
 
 
-def test_stacked_weights_only_when_adjacent_and_alike():
-    weight, lora_A = stack_weights(torch.randn(6, 10), torch.randn(2, 10, dtype=torch.float64))
-    assert lora_A.dtype == torch.float32 and torch.equal(stacked_weights(weight, lora_A)[6:], lora_A)
-    assert stacked_weights(weight, lora_A.clone()) is None                    # elsewhere in memory
-    assert stacked_weights(weight[:5], lora_A) is None                        # a gap between them
-    assert stacked_weights(weight.bfloat16(), lora_A.bfloat16()) is None      # copies, not adjacent
+def test_stacked_rows_only_when_adjacent_and_alike():
+    weight, lora_A = stack_rows([torch.randn(6, 10), torch.randn(2, 10, dtype=torch.float64)], torch.float32)
+    assert lora_A.dtype == torch.float32 and torch.equal(stacked_rows([weight, lora_A])[6:], lora_A)
+    assert stacked_rows([weight, lora_A.clone()]) is None                     # elsewhere in memory
+    assert stacked_rows([weight[:5], lora_A]) is None                         # a gap between them
+    assert stacked_rows([weight.bfloat16(), lora_A.bfloat16()]) is None       # copies, not adjacent
     both = torch.randn(8, 10)
-    assert stacked_weights(both[:6], both[6:].t().contiguous().t()) is None   # not row-major
+    assert stacked_rows([both[:6], both[6:].t().contiguous().t()]) is None    # not row-major
     # two storages that happen to touch in memory: not stacked (a view across both would run past the first)
     buffer = torch.randn(80)
     first, second = torch.empty(0), torch.empty(0)
     first.set_(buffer.untyped_storage()[:6 * 10 * 4], 0, (6, 10))
     second.set_(buffer.untyped_storage()[6 * 10 * 4:], 0, (2, 10))
     assert second.data_ptr() == first.data_ptr() + 6 * 10 * 4
-    assert stacked_weights(first, second) is None
+    assert stacked_rows([first, second]) is None
 
 
 @pytest.mark.parametrize("rows, grad, dropout_p, routed", [
@@ -96,7 +106,6 @@ def test_lora_linear_sends_decode_calls_here(rows, grad, dropout_p, routed, monk
     monkeypatch.setattr(lora_linear_module, "lora_decode",
                         lambda *args: calls.append(args[0].shape) or lora_decode(*args))
     inputs = operands(rows, 100, 80, 8, torch.float32, torch.float32)
-    inputs["weight"], inputs["lora_A"] = stack_weights(inputs["weight"], inputs["lora_A"])
     inputs["lora_A"].requires_grad_(grad)
     out = lora_linear(*inputs.values(), SCALE, dropout_p, "silu", seed=3)
     assert len(calls) == int(routed)
@@ -105,36 +114,27 @@ def test_lora_linear_sends_decode_calls_here(rows, grad, dropout_p, routed, monk
         assert_close(out.detach(), exact, torch.float32)
 
 
-@pytest.mark.parametrize("x_dtype, adapter_dtype, stacked, routed", [
-    (torch.bfloat16, torch.bfloat16, False, True),
-    (torch.bfloat16, torch.float32, False, False),  # PEFT's fp32 adapters, exact math: the kernel's tiles would spill
-    (torch.float32, torch.float32, False, False),
-    (torch.float32, torch.float32, True, True),     # stacked: no shrink kernel, any dtype
-])
+@pytest.mark.parametrize("x_dtype, adapter_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                     (torch.float16, torch.float32), (torch.float32, torch.float32)],
+                         ids=["bf16_bf16", "bf16_fp32", "fp16_fp32", "fp32_fp32"])
 @pytest.mark.parametrize("rows", [2, 1])
-def test_fp32_adapter_math_decodes_here_on_one_row_or_stacked(rows, x_dtype, adapter_dtype, stacked, routed,
-                                                              monkeypatch):
-    # one row: ops.gemv computes the shrink in fp32 in its own launch, so every adapter dtype decodes here
-    routed = routed or rows == 1
+def test_every_adapter_dtype_decodes_here(rows, x_dtype, adapter_dtype, monkeypatch):
+    # PEFT's fp32 adapters included: one row sums the shrink in fp32 in ops.gemv, more rows in _rows_chunks
     monkeypatch.setattr(lora_linear_module, "_launch_bound", lambda x: False)  # on a GPU: as if in a graph capture
     calls = []
     monkeypatch.setattr(lora_linear_module, "lora_decode", lambda *args: calls.append(1) or lora_decode(*args))
     inputs = operands(rows, 100, 80, 8, x_dtype, adapter_dtype)
-    if stacked:
-        inputs["weight"], inputs["lora_A"] = stack_weights(inputs["weight"], inputs["lora_A"])
     with torch.no_grad():
-        lora_linear(*inputs.values(), SCALE, 0.0, "identity")
-    assert len(calls) == int(routed)
+        got = lora_linear(*inputs.values(), SCALE, 0.0, "identity")
+    assert len(calls) == 1
+    exact = lora_decode_reference(*(t.double() for t in inputs.values()), SCALE)
+    assert_close(got, exact, x_dtype, lora_decode_reference(*inputs.values(), SCALE))
 
 
-@pytest.mark.parametrize("adapter_dtype, stacked", [(torch.float32, False), (torch.bfloat16, False),
-                                                    (torch.bfloat16, True)],  # stacked: the engine's bf16 adapters
-                         ids=["fp32_adapters", "bf16_adapters", "bf16_stacked"])
-def test_one_row_runs_gemv_and_shrink(adapter_dtype, stacked, monkeypatch):
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32_adapters", "bf16_adapters"])
+def test_one_row_runs_gemv_and_shrink(adapter_dtype, monkeypatch):
     # One row: ops.gemv gives x W^T and the fp32 shrink in one launch (PEFT's fp32 adapters on bf16 included), then
     # lora_expand; values against float64, and the shrink kernel of more rows never runs
-    monkeypatch.setattr(lora_decode_module, "_lora_delta", None)  # would raise if called
+    monkeypatch.setattr(lora_decode_module, "_rows_chunks", None)  # would raise if called
     inputs = operands(1, 300, 150, 8, torch.bfloat16, adapter_dtype)
-    if stacked:
-        inputs["weight"], inputs["lora_A"] = stack_weights(inputs["weight"], inputs["lora_A"])
     check(inputs, "silu", torch.bfloat16)

@@ -184,7 +184,7 @@ def test_auto_takes_the_tma_gemm_where_it_fills_the_gpu(on_tma, monkeypatch):
     assert resolve(None, x, weight, pieces, 0, False) == "cublas"
     assert resolve(None, x[:7], weight, pieces, 0, False) == "cublas"  # fp32 math in the small-batch K-loop
     assert resolve(None, x[:7], weight, half, 0, False) == "triton"  # one launch
-    assert resolve(None, x[:7], weight, half, 0, True) == "cublas"  # decoding
+    assert resolve(None, x[:7], weight, half, 0, True) == "decode"  # lora_decode
 
 
 @pytest.mark.parametrize("activation", ["identity", "silu"])
@@ -315,9 +315,8 @@ def test_unsupported_inputs_fall_back_to_the_reference(case, monkeypatch):
 
 def test_eager_calls_on_few_rows_take_pytorch_launches(monkeypatch):
     # Outside a CUDA-graph capture a few rows on a GPU are bound by their launches: "auto" computes them with
-    # PyTorch's (the reference). An explicit back-end, stacked weights, training, dropout or more rows keep the
-    # kernels. On CPU no call is launch-bound, so the GPU's answer is declared here.
-    from lorafuse.ops.lora_decode import stack_weights
+    # PyTorch's (the reference). An explicit back-end, training, dropout or more rows keep the kernels. On CPU no call
+    # is launch-bound, so the GPU's answer is declared here.
     monkeypatch.setattr(lora_linear_module, "_launch_bound", lambda x: x.shape[0] <= 16)
     calls = []
     monkeypatch.setattr(lora_linear_module, "lora_linear_reference",
@@ -331,8 +330,6 @@ def test_eager_calls_on_few_rows_take_pytorch_launches(monkeypatch):
         lora_linear(*args, SCALE, gemm="triton")
         lora_linear(*args, SCALE, dropout_p=0.1)
         lora_linear(torch.randn(17, 100), *args[1:], SCALE)
-        weight, lora_A = stack_weights(inputs["weight"], inputs["lora_A"])
-        lora_linear(args[0], weight, args[2], lora_A, args[4], SCALE)
     x = inputs["x"].requires_grad_()
     lora_linear(x, *args[1:], SCALE).sum().backward()
     assert calls == [(7, 100)]
