@@ -115,9 +115,9 @@ def _layer_reason(layer: nn.Module, dtype: torch.dtype, captured: bool) -> str |
             if reason is not None:
                 return f"{name}: {reason}"
         if _moved_by_another_layout([getattr(layer, parent).get_submodule(name) for name in names], captured):
-            return (f"{', '.join(names)} laid out or captured by another engine on this model (one that stores "
-                    "each lora_A under its own weight, or runs transformers' step): moving them would strand that "
-                    "engine's CUDA graphs")
+            return (f"{', '.join(names)} laid out or captured by another engine on this model (views into another "
+                    "buffer, or read by CUDA graphs of transformers' step): moving them would strand what holds "
+                    "them there")
     return None
 
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_pieces import split_bf16, uses_bf16_pieces
+from ._bf16_pieces import dot_pieces, split_bf16, uses_bf16_pieces
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count
 from .activation import activate, activation_reference
 from .gemv import gemv_and_shrink
@@ -93,8 +93,8 @@ def _chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, stri
             x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
             m = tl.load(m_ptrs, mask=m_ok & k_ok, other=0.0, eviction_policy="evict_first")
         if ON_PIECES:
-            m0, m1, m2 = split_bf16(m)
-            acc = tl.dot(x, tl.trans(m2), tl.dot(x, tl.trans(m1), tl.dot(x, tl.trans(m0), acc)))
+            hi, mid, lo = split_bf16(m)
+            acc = dot_pieces(x, tl.trans(hi), tl.trans(mid), tl.trans(lo), acc)
         else:
             acc = tl.dot(x.to(CD), tl.trans(m.to(CD)), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_pieces import bf16_pieces, split_bf16, uses_bf16_pieces
+from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
 from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .activation import activate, activate_grad, activation_reference
 
@@ -92,8 +92,10 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
         b_offs = cols[:, None] * rank + ranks[None, :]
         b_mask = col_ok[:, None] & offs_rank_ok
         if ON_PIECES:
-            for piece in tl.static_range(3):
-                ds = tl.dot(g, tl.load(b_ptr + piece * N * rank + b_offs, mask=b_mask, other=0.0), ds)
+            b_hi = tl.load(b_ptr + b_offs, mask=b_mask, other=0.0)
+            b_mid = tl.load(b_ptr + N * rank + b_offs, mask=b_mask, other=0.0)
+            b_lo = tl.load(b_ptr + 2 * N * rank + b_offs, mask=b_mask, other=0.0)
+            ds = dot_pieces(g, b_hi, b_mid, b_lo, ds)
             db_t = tl.dot(s_lo, g, tl.dot(s_mid, g, tl.dot(s_hi, g)))
         else:
             b = tl.load(b_ptr + b_offs, mask=b_mask, other=0.0)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_pieces import bf16_pieces, split_bf16, uses_bf16_pieces
+from ._bf16_pieces import bf16_pieces, dot_pieces, pieces_dot, split_bf16, uses_bf16_pieces
 from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
 
@@ -42,9 +42,10 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
         a_offs = ranks[:, None] * K + cols[None, :]
         a_mask = (ranks[:, None] < rank) & (cols[None, :] < K)
         if ON_PIECES:
-            for piece in tl.static_range(3):
-                a = tl.load(a_ptr + piece * rank * K + a_offs, mask=a_mask, other=0.0)
-                acc = tl.dot(x, tl.trans(a), acc)
+            a_hi = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
+            a_mid = tl.load(a_ptr + rank * K + a_offs, mask=a_mask, other=0.0)
+            a_lo = tl.load(a_ptr + 2 * rank * K + a_offs, mask=a_mask, other=0.0)
+            acc = dot_pieces(x, tl.trans(a_hi), tl.trans(a_mid), tl.trans(a_lo), acc)
         else:
             a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
             cd = tl.float32 if LORA_FP32 else x.dtype
@@ -90,9 +91,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
             x = x * keep
         if ON_PIECES:
             ds_hi, ds_mid, ds_lo = split_bf16(ds)
-            acc = tl.dot(tl.trans(ds_hi), x, acc)
-            acc = tl.dot(tl.trans(ds_mid), x, acc)
-            acc = tl.dot(tl.trans(ds_lo), x, acc)
+            acc = pieces_dot(tl.trans(ds_hi), tl.trans(ds_mid), tl.trans(ds_lo), x, acc)
         else:
             ds = ds.to(cd)
             acc = tl.dot(tl.trans(ds), x.to(cd), acc, input_precision=PRECISION)

@@ -10,7 +10,7 @@ from peft import PeftModel, get_peft_model
 
 from lorafuse.hf import decoding, model_kernels
 from lorafuse.inference import Engine, SamplingParams
-from lorafuse.ops.lora_decode import stacked_rows
+from lorafuse.ops.lora_decode import stack_rows, stacked_rows
 from tests.hf.families import VOCAB, lora_config, tiny_model
 from tests.inference.helpers import hf_greedy, prompts
 
@@ -126,9 +126,13 @@ def test_swap_reaches_the_fused_step_and_nothing_moves(adapters, fallback_log):
     assert not fallback_log.records
 
 
-def test_weights_laid_out_by_the_transformers_step_are_not_moved(adapters, fallback_log):
+def test_weights_in_another_buffer_are_not_moved(adapters, fallback_log):
+    # weights that are views into a larger buffer (laid out by someone else, whose code may hold the buffer) stay
+    # where they are: the fused step declines, said once, and the transformers' step (which moves nothing) runs
     model = PeftModel.from_pretrained(tiny_model("llama"), adapters / "A").eval()
-    Engine(model, max_length=16, buckets=(1,), fused_step=False)  # stacks each lora_A under its own weight
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    q.base_layer.weight.data, q.lora_A["default"].weight.data = stack_rows(
+        [q.base_layer.weight, q.lora_A["default"].weight], q.base_layer.weight.dtype)
     addresses = [param.data_ptr() for param in model.parameters()]
     for _ in range(2):
         engine = Engine(model, max_length=16, buckets=(1,), fused_step=True)
@@ -141,7 +145,7 @@ def test_weights_laid_out_by_the_transformers_step_are_not_moved(adapters, fallb
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 def test_weights_that_another_engine_captured_are_not_moved(adapters, fallback_log, lora):
     # an engine that captured its step (on a GPU) marks the model: its graphs read the weights where they are, so
-    # neither the fused step's layout nor stack_adapters may move them later
+    # the fused step's layout may not move them later
     model = tiny_model("llama").eval()
     if lora:
         model = PeftModel.from_pretrained(model, adapters / "A").eval()

@@ -1,0 +1,77 @@
+"""Routes that only a GPU takes, on the compiled kernels: what the CPU suite declares by monkeypatching is checked here
+for real.
+
+- `_launch_bound` itself: an eager call of a few rows runs PyTorch's launches (the reference), the same call inside a
+  CUDA-graph capture runs lora_decode's kernels, and the replayed graph gives lora_decode's result.
+- dx through the persistent TMA GEMM at its default 128x256 tiles (Hopper): "auto" takes it at training sizes, with
+  odd ranks, float32 adapters (bf16 pieces) and bf16 ones.
+
+Run on the GPU machine in the op tests' GPU mode:
+    LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest -q tests/ops/test_gpu_routes.py
+"""
+import importlib
+
+import pytest
+import torch
+
+from lorafuse.ops import lora_linear, lora_linear_reference
+from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
+from lorafuse.ops.lora_matmul import fills_the_gpu, tma_ready
+from tests.ops._helpers import assert_close
+from tests.ops.test_lora_linear import check
+
+if torch.get_default_device().type != "cuda" or not torch.cuda.is_available():
+    pytest.skip("GPU routes: run with LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0 on a CUDA machine",
+                allow_module_level=True)
+
+lora_linear_module = importlib.import_module("lorafuse.ops.lora_linear")
+SCALE = 0.7
+
+
+def test_launch_bound_eagerly_and_kernels_under_capture(monkeypatch):
+    references, decodes = [], []
+    monkeypatch.setattr(lora_linear_module, "lora_linear_reference",
+                        lambda *a, **k: references.append(1) or lora_linear_reference(*a, **k))
+    monkeypatch.setattr(lora_linear_module, "lora_decode", lambda *a: decodes.append(1) or lora_decode(*a))
+    k, n, r = 1000, 700, 12
+    x = torch.randn(6, k, dtype=torch.bfloat16)
+    weight, bias = (torch.randn(n, k) / k**0.5).bfloat16(), torch.randn(n).bfloat16()
+    lora_A, lora_B = torch.randn(r, k) / k**0.5, torch.randn(n, r) / r**0.5  # PEFT's float32 adapters
+    args = (x, weight, bias, lora_A, lora_B, SCALE)
+    with torch.no_grad():
+        eager = lora_linear(*args, activation="silu")
+        assert (references, decodes) == ([1], [])
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture compiles nothing: it is launch-bound too
+            lora_linear(*args, activation="silu")
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = lora_linear(*args, activation="silu")
+        assert (references, decodes) == ([1, 1], [1])
+        graph.replay()
+        torch.cuda.synchronize()
+    exact = lora_decode_reference(*(t.double() for t in args[:5]), SCALE, "silu")
+    plain = lora_decode_reference(*args, "silu")
+    assert_close(captured, exact, torch.bfloat16, plain, "replayed")
+    assert_close(eager, exact, torch.bfloat16, plain, "eager")
+    assert torch.equal(captured, lora_decode(x, weight, bias, lora_A, lora_B, SCALE, 4))  # 4: silu
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="TMA needs compute capability >= 9")
+@pytest.mark.parametrize("r", [1, 5, 24, 64])
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32_adapters", "bf16_adapters"])
+def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, monkeypatch):
+    m, k, n = 4096, 520, 8192  # K not a multiple of the 64-wide K tile
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    assert tma_ready(x, weight.t()) and fills_the_gpu(m, n, x.device)
+    assert lora_linear_module._resolve_gemm(None, x, weight, torch.randn(r, k, dtype=adapter_dtype), 0, False) == \
+        "triton"
+    tma_calls = []
+    real = lora_linear_module.lora_matmul
+    monkeypatch.setattr(lora_linear_module, "lora_matmul",
+                        lambda *a, **kw: tma_calls.append(kw.get("tma")) or real(*a, **kw))
+    check((m, k), n, r, torch.bfloat16, "auto", adapter_dtype=adapter_dtype)
+    assert tma_calls == [True, True]  # forward y and backward dx
