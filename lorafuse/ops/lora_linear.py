@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .._logging import log_once
 from ._bf16_pieces import uses_bf16_pieces
-from ._tiles import lora_in_fp32, padded_rank
+from ._tiles import adapter_math, lora_in_fp32, padded_rank
 from .activation import activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
 from .lora_decode import DECODE_MAX_ROWS, lora_decode
@@ -188,6 +188,7 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     `seed` (int64 tensor [1] on x's device) fixes the mask, a fresh one is drawn when None."""
     # x: [..., K], weight: [N, K], bias: [N] or None, lora_A: [r, K], lora_B: [N, r]
     act = activation_id(activation)
+    adapter_math()  # a bad LORAFUSE_ADAPTER_MATH raises whichever route the call takes
     if dropout_p > 0.0 and seed is None:
         seed = new_seed(x.device)
     elif isinstance(seed, int):

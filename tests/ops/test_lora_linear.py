@@ -297,6 +297,9 @@ def test_bad_arguments_raise(monkeypatch):
     mixed = cast(inputs, torch.bfloat16, keep=("lora_A", "lora_B"))
     with pytest.raises(ValueError, match="LORAFUSE_ADAPTER_MATH='foo'.*exact, fast"):
         lora_linear(*mixed.values(), SCALE)
+    monkeypatch.setattr(lora_linear_module, "_launch_bound", lambda x: True)  # a GPU's eager route of a few rows
+    with pytest.raises(ValueError, match="LORAFUSE_ADAPTER_MATH='foo'.*exact, fast"):
+        lora_linear(*mixed.values(), SCALE)
 
 
 @pytest.mark.parametrize("case", ["float64", "rank_over_128"])
