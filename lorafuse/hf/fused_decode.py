@@ -39,7 +39,6 @@ from ..ops.attention_windows import windows_of_one_query
 from ..ops.flash_attention import HEAD_DIMS, flash_attention
 from ..ops.gemv import gemv
 from ..ops.lora_add_rms_norm import lora_add_rms_norm
-from ..ops.lora_decode import shares_buffer, stack_rows, stacked_rows
 from ..ops.lora_silu_mul import lora_silu_mul
 from ..ops.rms_norm import rms_norm
 from ..ops.rope_cache_write import rope_cache_write
@@ -53,6 +52,35 @@ LORA_LINEARS = (lora.Linear, FusedLoraLinear)  # FusedLoraLinear changes PEFT's 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
           ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))  # the projections of each GEMM
+
+
+def stacked_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The [sum of rows, K] view over `tensors` when they lie one after another in one buffer, else None."""
+    # tensors: [N_i, K], one dtype
+    first, K = tensors[0], tensors[0].shape[1]
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.dtype != first.dtype or t.device != first.device or t.shape[1] != K or not t.is_contiguous():
+            return None
+        # One storage, each tensor's rows right after the previous one's: two allocations that merely touch do not
+        # count.
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), K), (K, 1))
+
+
+def stack_rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """New tensors holding the same values in `dtype`, stored one after another in one buffer (see stacked_rows)."""
+    # tensors: [N_i, K]
+    both = torch.cat([t.detach().to(dtype) for t in tensors])
+    return list(both.split([t.shape[0] for t in tensors]))
+
+
+def shares_buffer(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a view into a larger buffer: laid out for decoding by an engine (stack_rows), whose
+    captured steps hold the buffer's address, so it must not be moved again."""
+    return weight.untyped_storage().nbytes() > weight.numel() * weight.element_size()
 
 
 def unsupported_reason(model: nn.Module, stack_adapters: bool = True) -> str | None:

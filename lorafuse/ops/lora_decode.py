@@ -7,10 +7,9 @@ no launch that waits on a full pass. Inference only (no dropout, no saved tensor
   2-16 rows  `_rows_chunks` splits K into chunks over about 1.5 programs per SM: each sums x_k W_k^T for a block of
              columns, a few more sum the shrink x_k A_k^T once (not per column block), and `_expand_chunks` adds the
              chunks up with scale * s B^T, bias and the activation. Since the LoRA term is linear in x, no chunk needs
-             the whole shrink before its own sum. Two launches: 1.03-1.39x cuBLAS's GEMM alone on an H200, where
-             cuBLAS's GEMM of x with [W; A] plus lora_expand took 1.09-1.40x (.scratch sweep, M = 4 and 16).
-The helpers that lay weights out one after another in one buffer (stack_rows, stacked_rows) serve
-lorafuse.hf.fused_decode, whose step runs one GEMM over a layer's stacked projections.
+             the whole shrink before its own sum. Two launches: at 16 rows and r = 16, 1.05-1.39x cuBLAS's GEMM alone
+             on an H200 (bench_lora_layer.py --decode-only; --sweep-decode for the configs), where cuBLAS's GEMM of x
+             with [W; A] plus lora_expand took 1.09-1.40x. Larger ranks are tested, not measured.
 """
 import torch
 import triton
@@ -26,6 +25,7 @@ from .lora_matmul import _add_rank_r
 DECODE_MAX_ROWS = 16  # rows of one tl.dot tile
 EXPAND_BLOCK_N = 64  # columns a program of _expand_chunks sums and expands
 MAX_SPLITS = 8  # _expand_chunks holds [splits, 16, 64] fp32 partials in registers
+SHRINK_TILE_BYTES = 8192  # of A per K tile of the shrink programs (x4 stages: 32 KB of shared memory)
 SHRINK_PARTIALS = 4096  # fp32 values of the shrink's partials that _expand_chunks sums at once (16 chunks at r <= 16)
 
 
@@ -36,39 +36,10 @@ def lora_decode_reference(x, weight, bias, lora_A, lora_B, scale, activation="id
     return activation_reference(z, activation).to(x.dtype)
 
 
-def stacked_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The [sum of rows, K] view over `tensors` when they lie one after another in one buffer, else None."""
-    # tensors: [N_i, K], one dtype
-    first, K = tensors[0], tensors[0].shape[1]
-    offset = first.storage_offset()
-    for t in tensors:
-        if t.dtype != first.dtype or t.device != first.device or t.shape[1] != K or not t.is_contiguous():
-            return None
-        # One storage, each tensor's rows right after the previous one's: two allocations that merely touch do not
-        # count.
-        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    return first.as_strided((sum(t.shape[0] for t in tensors), K), (K, 1))
-
-
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
     """Whether lora_decode runs these on ops.gemv: one row, row-major weights (any adapter dtype: fp32 sums)."""
     # x: [M, K], weight: [N, K], lora_A: [r, K]
     return x.shape[0] == 1 and weight.stride(1) == 1 and lora_A.stride(1) == 1
-
-
-def stack_rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """New tensors holding the same values in `dtype`, stored one after another in one buffer (see stacked_rows)."""
-    # tensors: [N_i, K]
-    both = torch.cat([t.detach().to(dtype) for t in tensors])
-    return list(both.split([t.shape[0] for t in tensors]))
-
-
-def shares_buffer(weight: torch.Tensor) -> bool:
-    """Whether `weight` is a view into a larger buffer: laid out for decoding by an engine (stack_rows), whose
-    captured steps hold the buffer's address, so it must not be moved again."""
-    return weight.untyped_storage().nbytes() > weight.numel() * weight.element_size()
 
 
 @triton.jit
@@ -106,11 +77,13 @@ def _chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, stri
 def _rows_chunks(x_ptr, w_ptr, a_ptr, part_ptr, low_ptr, M, N, K, k_chunk, shrink_chunk, shrink_splits, rank,
                  stride_xm, stride_wn, stride_wk, stride_ar, stride_ak, EVEN_K: tl.constexpr, LORA_FP32: tl.constexpr,
                  ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SHRINK_BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 LORA_PRECISION: tl.constexpr):
     # x: [M <= BLOCK_M, K], W: [N, K], A: [rank, K]; partials: [splits, M, N] fp32, low partials:
     # [shrink_splits, M, R] fp32. The first shrink_splits programs sum the shrink x_k A_k^T over chunks of
     # shrink_chunk (once, not in every column block; short chunks, as fp32 adapters' pieces cost three dots a step);
-    # the others sum x_k W_k^T over chunks of k_chunk for BLOCK_N columns each.
+    # the others sum x_k W_k^T over chunks of k_chunk for BLOCK_N columns each. The shrink's K tile is narrower where
+    # A's rows are many or fp32 (SHRINK_BLOCK_K): its pipeline stages must fit shared memory beside the W programs'.
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     if pid < shrink_splits:
@@ -118,7 +91,8 @@ def _rows_chunks(x_ptr, w_ptr, a_ptr, part_ptr, low_ptr, M, N, K, k_chunk, shrin
         k_start = pid * shrink_chunk
         cd = tl.float32 if LORA_FP32 else x_ptr.dtype.element_ty
         low = _chunk_product(x_ptr, a_ptr, ranks, rank, k_start, tl.minimum(k_start + shrink_chunk, K), M,
-                             stride_xm, stride_ar, stride_ak, EVEN_K, cd, ON_PIECES, BLOCK_M, BLOCK_K, LORA_PRECISION)
+                             stride_xm, stride_ar, stride_ak, EVEN_K, cd, ON_PIECES, BLOCK_M, SHRINK_BLOCK_K,
+                             LORA_PRECISION)
         tl.store(low_ptr + (pid * M + rows[:, None]) * R + ranks[None, :], low, mask=rows[:, None] < M)
     else:
         blocks_n = tl.cdiv(N, BLOCK_N)
@@ -144,7 +118,7 @@ def _expand_chunks(part_ptr, low_ptr, b_ptr, bias_ptr, y_ptr, M, N, rank, splits
     ranks = tl.arange(0, R)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     chunks = tl.arange(0, SPLITS)[:, None, None]
-    acc = tl.sum(tl.load(part_ptr + ((chunks * M + rows[None, :, None]) * N).to(tl.int64) + cols[None, None, :],
+    acc = tl.sum(tl.load(part_ptr + (chunks * M + rows[None, :, None]).to(tl.int64) * N + cols[None, None, :],
                          mask=(chunks < splits) & mask[None, :, :], other=0.0), 0)
     chunks = tl.arange(0, SHRINK_SPLITS)[:, None, None]
     low = tl.sum(tl.load(low_ptr + (chunks * M + rows[None, :, None]) * R + ranks[None, None, :],
@@ -185,9 +159,11 @@ def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=
         y, s = gemv_and_shrink(x, weight, lora_A)
         return lora_expand(y, s, lora_B, scale, bias, activation_id)[0]
     block_n, block_k, splits, warps, stages = config or _rows_config(N, K, x.device)
-    k_chunk = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    k_chunk = triton.cdiv(triton.cdiv(K, min(splits, MAX_SPLITS)), block_k) * block_k
     splits = triton.cdiv(K, k_chunk)
     R = padded_rank(r)
+    # at most SHRINK_TILE_BYTES of A a pipeline stage: rank 16 takes the W programs' tile, fp32 rank 128 one of 16
+    shrink_block_k = max(16, min(block_k, SHRINK_TILE_BYTES // (R * lora_A.element_size())))
     partials = torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
     shrink_chunk = _shrink_chunk(K, block_k, R)
     shrink_splits = triton.cdiv(K, shrink_chunk)
@@ -198,7 +174,8 @@ def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=
         x, weight, lora_A, partials, low, M, N, K, k_chunk, shrink_chunk, shrink_splits, r, x.stride(0),
         weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1), EVEN_K=K % block_k == 0,
         LORA_FP32=lora_fp32, ON_PIECES=on_pieces, R=R, BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=dot_precision(x.dtype), LORA_PRECISION=precision, num_warps=warps, num_stages=stages)
+        SHRINK_BLOCK_K=shrink_block_k, PRECISION=dot_precision(x.dtype), LORA_PRECISION=precision, num_warps=warps,
+        num_stages=stages)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _expand_chunks[(triton.cdiv(N, EXPAND_BLOCK_N),)](
         partials, low, lora_B, bias, y, M, N, r, splits, shrink_splits, scale, lora_B.stride(0), lora_B.stride(1),

@@ -1,6 +1,7 @@
 """LoRA shrink: s = dropout(x) @ A^T, the mask drawn in-kernel and never stored.
 
-Forward: one pass over x; s is kept in fp32 ([M, r] is tiny) for the expand and for dB.
+Forward: one pass over x; s is kept in fp32 ([M, r] is tiny) for the expand and for dB. The mask multiplies x (as
+PEFT's nn.Dropout does: a NaN or inf at a dropped position still reaches the sums, as in the reference).
 Backward: dA = ds^T @ dropout(x), redrawing the same mask from the seed; optionally it also
 writes dx_lora = keep * (ds @ A) * keep_scale, the adapter's share of dx, in the same pass
 (used when the dx GEMM runs on cuBLAS and adds into that buffer).
@@ -38,7 +39,7 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
                     mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
         if HAS_DROPOUT:
-            x = tl.where(keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS), x, 0.0)
+            x = x * keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS).to(x.dtype)  # as x * mask
         a_offs = ranks[:, None] * K + cols[None, :]
         a_mask = (ranks[:, None] < rank) & (cols[None, :] < K)
         if ON_PIECES:

@@ -9,8 +9,8 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from lorafuse.hf import decoding, model_kernels
+from lorafuse.hf.fused_decode import stack_rows, stacked_rows
 from lorafuse.inference import Engine, SamplingParams
-from lorafuse.ops.lora_decode import stack_rows, stacked_rows
 from tests.hf.families import VOCAB, lora_config, tiny_model
 from tests.inference.helpers import hf_greedy, prompts
 
@@ -175,3 +175,20 @@ def test_models_it_does_not_cover_step_through_transformers(fallback_log, overri
     said = [r.getMessage() for r in fallback_log.records if "not the fused step" in r.getMessage()]
     assert len(said) == 1 and reason in said[0]
     assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=3)) == reference
+
+
+def test_stacked_rows_only_when_adjacent_and_alike():
+    weight, lora_A = stack_rows([torch.randn(6, 10), torch.randn(2, 10, dtype=torch.float64)], torch.float32)
+    assert lora_A.dtype == torch.float32 and torch.equal(stacked_rows([weight, lora_A])[6:], lora_A)
+    assert stacked_rows([weight, lora_A.clone()]) is None                     # elsewhere in memory
+    assert stacked_rows([weight[:5], lora_A]) is None                         # a gap between them
+    assert stacked_rows([weight.bfloat16(), lora_A.bfloat16()]) is None       # copies, not adjacent
+    both = torch.randn(8, 10)
+    assert stacked_rows([both[:6], both[6:].t().contiguous().t()]) is None    # not row-major
+    # two storages that happen to touch in memory: not stacked (a view across both would run past the first)
+    buffer = torch.randn(80)
+    first, second = torch.empty(0), torch.empty(0)
+    first.set_(buffer.untyped_storage()[:6 * 10 * 4], 0, (6, 10))
+    second.set_(buffer.untyped_storage()[6 * 10 * 4:], 0, (2, 10))
+    assert second.data_ptr() == first.data_ptr() + 6 * 10 * 4
+    assert stacked_rows([first, second]) is None

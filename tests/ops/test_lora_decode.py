@@ -7,14 +7,14 @@ import torch
 
 from lorafuse.ops import lora_linear
 from lorafuse.ops.activation import activation_id
-from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference, stack_rows, stacked_rows
+from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
 from tests.ops._helpers import DTYPES, assert_close, dtype_id
 
 lora_linear_module = importlib.import_module("lorafuse.ops.lora_linear")  # lorafuse.ops exports the function
 lora_decode_module = importlib.import_module("lorafuse.ops.lora_decode")
 SCALE = 0.7
-# (M, K, N, r, activation): K = 100 (not a multiple of BLOCK_K), 300 (two K steps, ragged); N not a multiple of
-# BLOCK_N (64); ranks 1 to 64 (64: the narrower K tile)
+# (M, K, N, r, activation): K = 100 (not a multiple of BLOCK_K), 300 (three K tiles, ragged); N not a multiple of
+# the column blocks (32, 64); ranks 1 to 64 (64: the shrink's narrower K tile)
 CASES = [(1, 100, 80, 8, "identity"), (7, 300, 150, 1, "silu"), (16, 300, 36, 64, "gelu"), (3, 64, 200, 16, "relu")]
 
 
@@ -59,6 +59,16 @@ def test_k_chunks_add_up(k, config, x_dtype, adapter_dtype):
     assert_close(got, exact, x_dtype, lora_decode_reference(*inputs.values(), SCALE, "gelu"))
 
 
+@pytest.mark.parametrize("r", [64, 100, 128])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_large_ranks_of_float32_adapters(r, x_dtype):
+    # the shrink's K tile narrows as A's rows grow (fp32 rank 128: 16 columns), and its partials come in fewer chunks
+    inputs = operands(9, 1100, 150, r, x_dtype, torch.float32)
+    got = lora_decode(*inputs.values(), SCALE, activation_id("identity"))
+    exact = lora_decode_reference(*(t.double() for t in inputs.values()), SCALE)
+    assert_close(got, exact, x_dtype, lora_decode_reference(*inputs.values(), SCALE))
+
+
 def test_float32_adapters_on_bfloat16_no_bias_transposed_weight():
     # PEFT's float32 adapters on a bf16 base; a [K, N] weight passed transposed (fan_in_fan_out, GPT-2's Conv1D)
     inputs = operands(5, 300, 150, 8, torch.bfloat16, torch.float32, bias=False)
@@ -71,27 +81,9 @@ def test_weights_stacked_in_one_buffer_decode_alike():
     # the fused decode step's layout (lora_A right after the frozen weight): views into one buffer, same values
     inputs = operands(6, 300, 150, 8, torch.bfloat16, torch.bfloat16)
     alone = lora_decode(*inputs.values(), SCALE, activation_id("silu"))
-    inputs["weight"], inputs["lora_A"] = stack_rows([inputs["weight"], inputs["lora_A"]], torch.bfloat16)
-    assert stacked_rows([inputs["weight"], inputs["lora_A"]]) is not None
+    both = torch.cat([inputs["weight"], inputs["lora_A"]])
+    inputs["weight"], inputs["lora_A"] = both[:150], both[150:]
     assert torch.equal(lora_decode(*inputs.values(), SCALE, activation_id("silu")), alone)
-    check(inputs, "silu", torch.bfloat16)
-
-
-def test_stacked_rows_only_when_adjacent_and_alike():
-    weight, lora_A = stack_rows([torch.randn(6, 10), torch.randn(2, 10, dtype=torch.float64)], torch.float32)
-    assert lora_A.dtype == torch.float32 and torch.equal(stacked_rows([weight, lora_A])[6:], lora_A)
-    assert stacked_rows([weight, lora_A.clone()]) is None                     # elsewhere in memory
-    assert stacked_rows([weight[:5], lora_A]) is None                         # a gap between them
-    assert stacked_rows([weight.bfloat16(), lora_A.bfloat16()]) is None       # copies, not adjacent
-    both = torch.randn(8, 10)
-    assert stacked_rows([both[:6], both[6:].t().contiguous().t()]) is None    # not row-major
-    # two storages that happen to touch in memory: not stacked (a view across both would run past the first)
-    buffer = torch.randn(80)
-    first, second = torch.empty(0), torch.empty(0)
-    first.set_(buffer.untyped_storage()[:6 * 10 * 4], 0, (6, 10))
-    second.set_(buffer.untyped_storage()[6 * 10 * 4:], 0, (2, 10))
-    assert second.data_ptr() == first.data_ptr() + 6 * 10 * 4
-    assert stacked_rows([first, second]) is None
 
 
 @pytest.mark.parametrize("rows, grad, dropout_p, routed", [
