@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_pieces import dot_pieces, split_bf16, uses_bf16_pieces
+from ._bf16_pieces import split_bf16, uses_bf16_pieces
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count
 from .activation import activate, activation_reference
 from .gemv import gemv_and_shrink
@@ -64,8 +64,10 @@ def _chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, stri
             x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
             m = tl.load(m_ptrs, mask=m_ok & k_ok, other=0.0, eviction_policy="evict_first")
         if ON_PIECES:
+            # chained in the tensor cores' accumulator (not dot_pieces): the output is rounded to 16 bits, far above
+            # the chain's drift, and the promoted sum measured 0.7 us slower a call at K = 2048 (H200)
             hi, mid, lo = split_bf16(m)
-            acc = dot_pieces(x, tl.trans(hi), tl.trans(mid), tl.trans(lo), acc)
+            acc = tl.dot(x, tl.trans(lo), tl.dot(x, tl.trans(mid), tl.dot(x, tl.trans(hi), acc)))
         else:
             acc = tl.dot(x.to(CD), tl.trans(m.to(CD)), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
@@ -118,7 +120,8 @@ def _expand_chunks(part_ptr, low_ptr, b_ptr, bias_ptr, y_ptr, M, N, rank, splits
     ranks = tl.arange(0, R)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     chunks = tl.arange(0, SPLITS)[:, None, None]
-    acc = tl.sum(tl.load(part_ptr + (chunks * M + rows[None, :, None]).to(tl.int64) * N + cols[None, None, :],
+    # int32 offsets: splits * 16 * N stays below 2^31 for N < 16.7M columns; int64 ones cost 0.26 us a call (H200)
+    acc = tl.sum(tl.load(part_ptr + (chunks * M + rows[None, :, None]) * N + cols[None, None, :],
                          mask=(chunks < splits) & mask[None, :, :], other=0.0), 0)
     chunks = tl.arange(0, SHRINK_SPLITS)[:, None, None]
     low = tl.sum(tl.load(low_ptr + (chunks * M + rows[None, :, None]) * R + ranks[None, None, :],
