@@ -20,7 +20,7 @@ from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm
 from .activation import activate, activation_reference
 from .gemv import gemv_and_shrink
 from .lora_expand import lora_expand
-from .lora_matmul import _add_rank_r
+from .lora_matmul import add_rank_r
 
 DECODE_MAX_ROWS = 16  # rows of one tl.dot tile
 EXPAND_BLOCK_N = 64  # columns a program of _expand_chunks sums and expands
@@ -128,7 +128,7 @@ def _expand_chunks(part_ptr, low_ptr, b_ptr, bias_ptr, y_ptr, M, N, rank, splits
                          mask=(chunks < shrink_splits) & (rows[None, :, None] < M), other=0.0), 0)
     b = tl.load(b_ptr + cols[None, :] * stride_bn + ranks[:, None] * stride_br,
                 mask=(ranks[:, None] < rank) & (cols[None, :] < N), other=0.0)
-    acc = _add_rank_r(acc, low, b, scale, tl.float32 if LORA_FP32 else y_ptr.dtype.element_ty, ON_PIECES, PRECISION)
+    acc = add_rank_r(acc, low, b, scale, tl.float32 if LORA_FP32 else y_ptr.dtype.element_ty, ON_PIECES, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], activate(acc, ACT).to(y_ptr.dtype.element_ty), mask=mask)

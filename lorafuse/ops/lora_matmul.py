@@ -107,7 +107,7 @@ def _rank_r_tile(r_ptr, cols, N, rank, stride_rr, stride_rn, R: tl.constexpr):
 
 
 @triton.jit
-def _add_rank_r(acc, low, r, scale, CD: tl.constexpr, ON_PIECES: tl.constexpr, LORA_PRECISION: tl.constexpr):
+def add_rank_r(acc, low, r, scale, CD: tl.constexpr, ON_PIECES: tl.constexpr, LORA_PRECISION: tl.constexpr):
     # acc: [BM, BN] fp32 tile of A @ B; low: [BM, R] fp32 rank-r input of its rows; r: [R, BN] tile of R.
     # Returns acc + scale * low @ r, as one more K-step of rank r into the same accumulator (no second [BM, BN]
     # tile). CD: the dtype of the rank-r product (fp32 for float32 adapter math, else C's).
@@ -129,7 +129,7 @@ def _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, s
               ON_PIECES: tl.constexpr, R: tl.constexpr, LORA_PRECISION: tl.constexpr):
     # acc: [BM, BN] fp32 tile of A @ B at (rows, cols); low: [BM, R] fp32 rank-r input of those rows
     r = _rank_r_tile(r_ptr, cols, N, rank, stride_rr, stride_rn, R)
-    acc = _add_rank_r(acc, low, r, scale, tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty, ON_PIECES,
+    acc = add_rank_r(acc, low, r, scale, tl.float32 if LORA_FP32 else c_ptr.dtype.element_ty, ON_PIECES,
                       LORA_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -164,7 +164,7 @@ def _lora_matmul_tma(a_desc, b_desc, c_desc, z_desc, l_ptr, r_ptr, bias_ptr, M, 
                 acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, k0]).T, acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(a, b_desc.load([k0, pid_n * BLOCK_N]), acc, input_precision=PRECISION)
-        acc = _add_rank_r(acc, low, r, scale, tl.float32 if LORA_FP32 else c_desc.dtype, ON_PIECES, LORA_PRECISION)
+        acc = add_rank_r(acc, low, r, scale, tl.float32 if LORA_FP32 else c_desc.dtype, ON_PIECES, LORA_PRECISION)
         # stored as two [BM, BN / 2] halves: half the registers for bias, activation and the staged store
         left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
         _store_tma(left, pid_m * BLOCK_M, pid_n * BLOCK_N, c_desc, z_desc, bias_ptr, N, ACT, HAS_BIAS, STORE_Z)
