@@ -177,7 +177,7 @@ def sweep_configs():
 def sweep_decode():
     """lora_decode launch configs at decode sizes (4 and 16 rows): GPU time per call replayed from a CUDA graph over
     layer copies whose weights rotate past the L2, against cuBLAS's GEMM alone (the base); bf16 and fp32 adapters."""
-    from lorafuse.ops.lora_decode import lora_decode
+    from lorafuse.ops.lora_decode import MAX_SPLITS, lora_decode
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("\ndecode sweep: us per call (ratio to the base GEMM); the default, then the best configs")
     for (k, n), m, adapter_dtype in ((shape, m, a) for shape in DECODE_SHAPES for m in (4, 16)
@@ -193,7 +193,7 @@ def sweep_decode():
             return time_ms(graph.replay, rep_ms=50)[0] / copies * 1e3
 
         # (BLOCK_N, BLOCK_K, splits, num_warps, num_stages), splits for about 0.7, 1.5 or 2.5 programs per SM
-        configs = sorted({(bn, bk, max(1, min(round(per_sm * sms / -(-n // bn)), k // (2 * bk), 8)), 4, 4)
+        configs = sorted({(bn, bk, max(1, min(round(per_sm * sms / -(-n // bn)), k // (2 * bk), MAX_SPLITS)), 4, 4)
                           for bn in (32, 64) for bk in (128, 256) for per_sm in (0.7, 1.5, 2.5)})
         base = us(lambda x, w, a, b: x @ w.t())
         timed = sorted((us(lambda x, w, a, b, c=cfg: lora_decode(x, w, None, a, b, 2.0, config=c)), cfg)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import split_bf16, uses_bf16_pieces
-from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count
+from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .activation import activate, activation_reference
 from .gemv import gemv_and_shrink
 from .lora_expand import lora_expand
@@ -142,10 +142,11 @@ def _rows_config(N, K, device):
     return block_n, block_k, max(1, min(splits, MAX_SPLITS, triton.cdiv(K, 4 * block_k))), 4, 4
 
 
-def _shrink_chunk(K, block_k, R):
-    # chunks of at least two K tiles, few enough that _expand_chunks holds their [chunks, 16, R] partials in registers
-    max_splits = max(1, SHRINK_PARTIALS // (DECODE_MAX_ROWS * R))
-    return max(2 * block_k, triton.cdiv(triton.cdiv(K, max_splits), block_k) * block_k)
+def _shrink_chunks(K, block_k, R):
+    # (chunk length, chunks): at least two K tiles a chunk, few enough chunks that _expand_chunks holds their
+    # [chunks, 16, R] partials in registers
+    chunk = max(2 * block_k, split_in_blocks(K, block_k, SHRINK_PARTIALS // (DECODE_MAX_ROWS * R))[0])
+    return chunk, triton.cdiv(K, chunk)
 
 
 def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=None):
@@ -162,14 +163,12 @@ def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=
         y, s = gemv_and_shrink(x, weight, lora_A)
         return lora_expand(y, s, lora_B, scale, bias, activation_id)[0]
     block_n, block_k, splits, warps, stages = config or _rows_config(N, K, x.device)
-    k_chunk = triton.cdiv(triton.cdiv(K, min(splits, MAX_SPLITS)), block_k) * block_k
-    splits = triton.cdiv(K, k_chunk)
+    k_chunk, splits = split_in_blocks(K, block_k, min(splits, MAX_SPLITS))
     R = padded_rank(r)
     # at most SHRINK_TILE_BYTES of A a pipeline stage: rank 16 takes the W programs' tile, fp32 rank 128 one of 16
     shrink_block_k = max(16, min(block_k, SHRINK_TILE_BYTES // (R * lora_A.element_size())))
     partials = torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
-    shrink_chunk = _shrink_chunk(K, block_k, R)
-    shrink_splits = triton.cdiv(K, shrink_chunk)
+    shrink_chunk, shrink_splits = _shrink_chunks(K, block_k, R)
     low = torch.empty(shrink_splits, M, R, device=x.device, dtype=torch.float32)
     lora_fp32, on_pieces = lora_in_fp32(x.dtype, lora_A.dtype), uses_bf16_pieces(x.dtype, lora_A.dtype)
     precision = lora_precision(x.dtype, lora_A.dtype)
