@@ -229,8 +229,8 @@ def breakdown():
             "shrink_bwd_p_dx": lambda: lora_shrink_backward(s, x, A, 0.05, seed, dx_out=dx),
         }
         if (k, n) == (4096, 4096):  # launch-config sweep of the memory-bound kernels on one shape
-            for cfg in [(16, 128, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3), (32, 256, 8, 3),
-                        (16, 256, 4, 3)]:
+            for cfg in [(16, 128, 4, 3, 132), (32, 128, 4, 3, 132), (32, 128, 4, 4, 132), (64, 64, 4, 3, 132),
+                        (64, 128, 4, 5, 132), (64, 128, 4, 4, 264)]:
                 parts[f"shrink{cfg}"] = lambda cfg=cfg: lora_shrink(x, A, config=cfg)
                 parts[f"shrink_p{cfg}"] = lambda cfg=cfg: lora_shrink(x, A, 0.05, seed, config=cfg)
             for cfg in [(64, 128, 4, 3, 264), (128, 128, 8, 3, 264), (64, 64, 4, 3, 528), (32, 128, 4, 3, 528),

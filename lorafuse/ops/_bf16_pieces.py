@@ -5,7 +5,7 @@ in bf16, and a product of two bf16 numbers is exact in the tensor cores' fp32 ac
 x @ A == x @ hi + x @ mid + x @ lo: three bf16 dots give the float32 product up to the accumulation, at 16-bit
 tensor-core speed, where tf32x3 splits both operands in every tile and runs fp32-sized tiles. The tensor cores'
 adds truncate: reductions over a long K add each step's three products to their fp32 sum with one rounded add
-(`dot_pieces`, `pieces_dot`). Chained inside the tensor cores instead, the sums drifted 5-25x past PyTorch's fp32
+(`dot_pieces`). Chained inside the tensor cores instead, the sums drifted 5-25x past PyTorch's fp32
 error (H200, K of 4096-14336).
 The pieces of a weight are made once per call (`bf16_pieces`); fp32 tiles met inside a kernel (s, ds) are split
 there (`split_bf16`). Where both operands are fp32 (lora_matmul's epilogue: s times B) the kernel keeps the three
@@ -52,12 +52,6 @@ def dot_pieces(a, hi, mid, lo, acc):
     # joins acc in one rounded fp32 add. Hopper's tensor cores truncate what they accumulate; chained through a long
     # reduction the running sum drifted (shrink of x 8192 x 4096 on an H200: 1.4e-5 relative, PyTorch's fp32 5.7e-7).
     return acc + tl.dot(a, hi, tl.dot(a, mid, tl.dot(a, lo)))
-
-
-@triton.jit
-def pieces_dot(hi, mid, lo, b, acc):
-    # acc + (hi + mid + lo) @ b, promoted as in dot_pieces
-    return acc + tl.dot(hi, b, tl.dot(mid, b, tl.dot(lo, b)))
 
 
 @triton.jit

@@ -120,8 +120,10 @@ class _LoraLinear(torch.autograd.Function):
         p = ctx.dropout_p
         g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, ctx.scale, ctx.act, need_bias)
         dx = None
-        # The dropout mask in the GEMM epilogue spills registers (measured 1.6x+ slower), so
-        # with dropout dx takes the cuBLAS route even when the forward ran the Triton GEMM.
+        # The dropout mask in the GEMM epilogue costs more than the pre-write it saves: drawn in the persistent TMA
+        # GEMM (before its K-loop, where registers are free) it made dx 6-8 % slower, about what the cuBLAS route's
+        # masked pre-write and read-back cost (H200, .scratch/mask_gemm_probe.py). With dropout dx takes the cuBLAS
+        # route even when the forward ran the Triton GEMM.
         if need_x and ctx.gemm == "triton" and p == 0.0:
             dA = lora_shrink_backward(ds, x, lora_A)
             dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0, tma=True)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_pieces import bf16_pieces, dot_pieces, pieces_dot, split_bf16, uses_bf16_pieces
+from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
 from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
 
@@ -74,7 +74,9 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
         a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
         if ON_PIECES:
             a_mid = tl.load(a_ptr + rank * K + a_offs, mask=a_mask, other=0.0)
-    acc = tl.zeros([R, BLOCK_K], tl.float32)
+    # dA^T = x^T ds, so that the long side (K) is the MMA's M and the rank its N: as ds^T x (M = rank) the kernel ran
+    # 16-25 % slower (H200, x of 8192 x 2048-14336, dropout and dx).
+    acc = tl.zeros([BLOCK_K, R], tl.float32)
     row_end = tl.minimum(M, (split + 1) * rows_per_split)
     for m0 in range(split * rows_per_split, row_end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -92,10 +94,10 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
             x = x * keep
         if ON_PIECES:
             ds_hi, ds_mid, ds_lo = split_bf16(ds)
-            acc = pieces_dot(tl.trans(ds_hi), tl.trans(ds_mid), tl.trans(ds_lo), x, acc)
+            acc = dot_pieces(tl.trans(x), ds_hi, ds_mid, ds_lo, acc)
         else:
             ds = ds.to(cd)
-            acc = tl.dot(tl.trans(ds), x.to(cd), acc, input_precision=PRECISION)
+            acc = tl.dot(tl.trans(x.to(cd)), ds, acc, input_precision=PRECISION)
         if STORE_DX:
             if ON_PIECES:  # dx is rounded to bf16: the three largest piece products are ample
                 dx = tl.dot(ds_hi, a, tl.dot(ds_hi, a_mid, tl.dot(ds_mid, a)))
@@ -107,22 +109,24 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
                      mask=row_ok[:, None] & col_ok[None, :])
     if HAS_DROPOUT:
         acc *= drop_scale
-    tl.store(da_part_ptr + split * rank * K + ranks[:, None] * K + cols[None, :], acc,
-             mask=(ranks[:, None] < rank) & col_ok[None, :])
+    tl.store(da_part_ptr + split * rank * K + ranks[None, :] * K + cols[:, None], acc,
+             mask=(ranks[None, :] < rank) & col_ok[:, None])
 
 
-def _shrink_config(M, K, math):
-    # (BLOCK_M, BLOCK_K, num_warps, num_stages): enough programs in flight to stream x. math: "16-bit", "pieces"
-    # (float32 A as bf16 pieces) or "tf32x3".
+def _shrink_config(M, K, math, masked, sms):
+    # (BLOCK_M, BLOCK_K, num_warps, num_stages, programs): enough programs in flight to stream x. math: "16-bit",
+    # "pieces" (float32 A as bf16 pieces) or "tf32x3". Few row blocks split K to reach `programs`.
     # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16. With tf32x3 wider tiles win
     # at training sizes: x of 8192 x 8192 with dropout 178 -> 143 us, 8192 x 2048 50 -> 44 us (Llama-1B shapes); they
-    # lose with 16-bit adapter math (20 -> 29 us). On pieces (.scratch sweep, H200, 8192 rows, both dropout settings):
-    # 64-row tiles, 128-row ones for K >= 8192 (x of 8192 x 14336: 97 -> 77 us, with dropout 180 -> 140 us).
+    # lose with 16-bit adapter math (20 -> 29 us). Re-swept at 8192 rows (.scratch/shrink_sweep.py, x of 8192 x 2048 /
+    # 4096 / 14336, float32 adapters on pieces; bf16 adapters alike): 5 stages of 64 x 128 without the mask, two
+    # programs per SM with it (its arithmetic wants more warps in flight). The configs before: 20 / 34 / 75 us without
+    # the mask, 25 / 44 / 123 with it; these: 20 / 31 / 75 and 26 / 38 / 100.
     if M >= 4096 and math == "tf32x3":
-        return (128, 128, 8, 3)
-    if M >= 4096 and math == "pieces":
-        return (128, 128, 8, 3) if K >= 8192 else (64, 128, 4, 3)
-    return (32, 128, 4, 4) if M > 16 else (16, 128, 4, 3)
+        return (128, 128, 8, 3, sms)
+    if M >= 4096:
+        return (64, 128, 4, 4, 2 * sms) if masked else (64, 128, 4, 5, sms)
+    return (32, 128, 4, 4, sms) if M > 16 else (16, 128, 4, 3, sms)
 
 
 def _math(x_dtype, a_dtype):
@@ -133,16 +137,17 @@ def _math(x_dtype, a_dtype):
 
 def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     """s = dropout(x) @ A^T in fp32. x: [M, K] with unit column stride, A: [r, K].
-    config: (BLOCK_M, BLOCK_K, num_warps, num_stages) overrides the default (benchmarks)."""
+    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks)."""
     M, K = x.shape
     r = A.shape[0]
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     a_arg = bf16_pieces(A) if on_pieces else A.contiguous()
-    block_m, block_k, warps, stages = config or _shrink_config(M, K, _math(x.dtype, A.dtype))
-    # Few row blocks (decode) would leave one program walking all of K: split K instead.
+    block_m, block_k, warps, stages, programs = config or _shrink_config(
+        M, K, _math(x.dtype, A.dtype), dropout_p > 0.0, sm_count(x.device))
+    # Fewer row blocks than programs (decode, or the mask's two programs per SM) split K: partial sums, added below.
     row_blocks = triton.cdiv(M, block_m)
-    cols_per_split, splits = split_in_blocks(K, block_k, sm_count(x.device) // row_blocks)
+    cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
     s = torch.empty(splits, M, r, device=x.device, dtype=torch.float32)
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_fwd[(row_blocks, splits)](
@@ -159,19 +164,24 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     # ds: [M, r] fp32, x: [M, K], A: [r, K]
     M, K = x.shape
     r = A.shape[0]
-    # Swept on an H200: with dx the mask and the extra store favour narrower row blocks. With dx on pieces (float32 A):
-    # 64-row blocks without dropout (x of 8192 x 4096: 78 -> 65 us), 16 x 256 with it (99 -> 97 us, 8192 x 2048:
-    # 59 -> 55 us), and twice the programs for K >= 8192 (8192 x 14336 with dropout: 368 -> 324 us).
+    # Swept on an H200 (.scratch/shrink_sweep.py, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
+    # bf16 adapters): dA alone and dx with the mask want 32 x 128 / 16 x 256 blocks, dx without the mask on pieces
+    # 64 x 128. Float32 adapters, dropout and dx: 46 / 82 / 141 / 236 us (the kernel before, as ds^T x and with the
+    # extra row split below: 55 / 94 / - / 312).
     programs = 4 * sm_count(x.device)
-    default = (32, 128, 4, 3, programs) if dx_out is not None else (64, 64, 4, 3, programs)
-    if dx_out is not None and M > 32 and _math(x.dtype, A.dtype) == "pieces":
-        if K >= 8192:
-            default = (32, 128, 4, 3, 2 * programs)
-        else:
-            default = (16, 256, 4, 3, programs) if dropout_p > 0.0 else (64, 128, 4, 3, programs)
-    block_m, block_k, warps, stages, programs = config or (default if M > 32 else (16, 64, 4, 3, programs))
+    if M <= 32:
+        default = (16, 64, 4, 3, programs)
+    elif dx_out is None:
+        default = (32, 128, 4, 3, programs)
+    elif dropout_p > 0.0:
+        default = (16, 256, 4, 3, programs)
+    else:
+        default = (64 if _math(x.dtype, A.dtype) == "pieces" else 32, 128, 4, 3, programs)
+    block_m, block_k, warps, stages, programs = config or default
     k_blocks = triton.cdiv(K, block_k)
-    rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), triton.cdiv(programs, k_blocks)))
+    # At most `programs`: one more row split than fits in a wave left a second, nearly empty wave (x of
+    # 8192 x 14336 with dropout and dx on an H200: 1120 programs 313 us, 1008 programs 234 us).
+    rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), max(1, programs // k_blocks)))
     da_part = torch.empty(splits, r, K, device=x.device, dtype=torch.float32)
     threshold, drop_scale = dropout_args(dropout_p)
     fp32 = lora_in_fp32(x.dtype, A.dtype)
