@@ -113,7 +113,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
              mask=(ranks[None, :] < rank) & col_ok[:, None])
 
 
-def _shrink_config(M, K, math, masked, sms):
+def _shrink_config(M, math, masked, sms):
     # (BLOCK_M, BLOCK_K, num_warps, num_stages, programs): enough programs in flight to stream x. math: "16-bit",
     # "pieces" (float32 A as bf16 pieces) or "tf32x3". Few row blocks split K to reach `programs`.
     # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16. With tf32x3 wider tiles win
@@ -144,7 +144,7 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     a_arg = bf16_pieces(A) if on_pieces else A.contiguous()
     block_m, block_k, warps, stages, programs = config or _shrink_config(
-        M, K, _math(x.dtype, A.dtype), dropout_p > 0.0, sm_count(x.device))
+        M, _math(x.dtype, A.dtype), dropout_p > 0.0, sm_count(x.device))
     # Fewer row blocks than programs (decode, or the mask's two programs per SM) split K: partial sums, added below.
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
