@@ -18,6 +18,7 @@ import torch
 
 from .._logging import log_once
 from ..hf import adapter_swap, decoding, fused_decode, model_kernels
+from ..ops.argmax import argmax_rows
 from .graphs import capture
 from .sampling import SamplingParams, sample
 from .stopping import StopChecker
@@ -243,7 +244,7 @@ class Engine:
     def _next_tokens(self, logits: torch.Tensor, rows: _Rows, greedy: bool) -> torch.Tensor:
         # logits: [size, V] -> int64 [size]; greedy batches (temperature 0 on every row) skip the filters' sort
         if greedy:
-            return logits.argmax(-1)
+            return argmax_rows(logits)  # torch.argmax's result; torch reduces a row of the vocabulary in one block
         return sample(logits, rows.temperature, rows.top_k, rows.top_p, self._generator)
 
     @torch.no_grad()

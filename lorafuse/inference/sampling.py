@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.argmax import argmax_rows
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -65,5 +67,5 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     # torch.multinomial(probs, 1) draws exactly this (for one sample it divides by Exp(1) noise and takes the
     # argmax: same generator, same token), but it first checks the probabilities with a host sync.
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    drawn = (probs / noise).argmax(-1)
-    return torch.where(temperature > 0, drawn, logits.argmax(-1))
+    drawn = argmax_rows(probs / noise)
+    return torch.where(temperature > 0, drawn, argmax_rows(logits))
