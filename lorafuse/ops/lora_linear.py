@@ -122,7 +122,7 @@ class _LoraLinear(torch.autograd.Function):
         dx = None
         # The dropout mask in the GEMM epilogue costs more than the pre-write it saves: drawn in the persistent TMA
         # GEMM (before its K-loop, where registers are free) it made dx 6-8 % slower, about what the cuBLAS route's
-        # masked pre-write and read-back cost (H200, .scratch/mask_gemm_probe.py). With dropout dx takes the cuBLAS
+        # masked pre-write and read-back cost (H200, NOTES_lora_layer.md). With dropout dx takes the cuBLAS
         # route even when the forward ran the Triton GEMM.
         if need_x and ctx.gemm == "triton" and p == 0.0:
             dA = lora_shrink_backward(ds, x, lora_A)

@@ -118,7 +118,7 @@ def _shrink_config(M, math, masked, sms):
     # "pieces" (float32 A as bf16 pieces) or "tf32x3". Few row blocks split K to reach `programs`.
     # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16. With tf32x3 wider tiles win
     # at training sizes: x of 8192 x 8192 with dropout 178 -> 143 us, 8192 x 2048 50 -> 44 us (Llama-1B shapes); they
-    # lose with 16-bit adapter math (20 -> 29 us). Re-swept at 8192 rows (.scratch/shrink_sweep.py, x of 8192 x 2048 /
+    # lose with 16-bit adapter math (20 -> 29 us). Re-swept at 8192 rows (NOTES_lora_layer.md, x of 8192 x 2048 /
     # 4096 / 14336, float32 adapters on pieces; bf16 adapters alike): 5 stages of 64 x 128 without the mask, two
     # programs per SM with it (its arithmetic wants more warps in flight). The configs before: 20 / 34 / 75 us without
     # the mask, 25 / 44 / 123 with it; these: 20 / 31 / 75 and 26 / 38 / 100.
@@ -164,7 +164,7 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     # ds: [M, r] fp32, x: [M, K], A: [r, K]
     M, K = x.shape
     r = A.shape[0]
-    # Swept on an H200 (.scratch/shrink_sweep.py, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
+    # Swept on an H200 (NOTES_lora_layer.md, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
     # bf16 adapters): dA alone and dx with the mask want 32 x 128 / 16 x 256 blocks, dx without the mask on pieces
     # 64 x 128. Float32 adapters, dropout and dx: 46 / 82 / 141 / 236 us (the kernel before, as ds^T x and with the
     # extra row split below: 55 / 94 / - / 312).

@@ -84,6 +84,7 @@ def test_weights_stacked_in_one_buffer_decode_alike():
     both = torch.cat([inputs["weight"], inputs["lora_A"]])
     inputs["weight"], inputs["lora_A"] = both[:150], both[150:]
     assert torch.equal(lora_decode(*inputs.values(), SCALE, activation_id("silu")), alone)
+    check(inputs, "silu", torch.bfloat16)
 
 
 @pytest.mark.parametrize("rows, grad, dropout_p, routed", [
