@@ -16,17 +16,35 @@ def rank_tile(*ranks: int) -> int:
 
 
 @triton.jit
-def columns_with_lora(row_ptr, cols, b_ptr, b_rows, stride_b, rank, s_col, scale, mask, R: tl.constexpr):
+def columns_with_lora(row_ptr, cols, b_ptr, b_rows, stride_b, rank, s_col, scale, mult_ptr, mask, R: tl.constexpr,
+                      ROW_SCALES: tl.constexpr):
     # row[cols] + scale * s B[b_rows]^T in fp32, s = row[s_col:s_col + rank]; R: rank_tile (0: no adapter, B
     # unread). B's rows are read whole, as one [columns, R] tile: rows of B are contiguous, so the loads coalesce.
+    # ROW_SCALES: the row's own scale per s column (mult[:rank]) instead of `scale`; a 0 drops that column (an adapter
+    # of the bank that this row does not use).
     x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if R > 0:
         ranks = tl.arange(0, R)
-        s = tl.load(row_ptr + s_col + ranks, mask=ranks < rank, other=0.0).to(tl.float32) * scale
+        s = tl.load(row_ptr + s_col + ranks, mask=ranks < rank, other=0.0).to(tl.float32)
+        if ROW_SCALES:
+            s *= tl.load(mult_ptr + ranks, mask=ranks < rank, other=0.0)
+        else:
+            s *= scale
         b = tl.load(b_ptr + b_rows[:, None] * stride_b + ranks[None, :], mask=mask[:, None] & (ranks < rank)[None, :],
                     other=0.0)
         x += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
     return x
+
+
+def row_scales_args(row_scales, rows: int, ranks: int, placeholder, op: str):
+    """Launch arguments (pointer, row stride, ROW_SCALES) of per-row scales fp32 [rows, ranks] (unit column stride),
+    or of none (`placeholder` as the unread pointer)."""
+    if row_scales is None:
+        return placeholder, 0, False
+    if row_scales.shape != (rows, ranks) or row_scales.dtype != torch.float32 or row_scales.stride(1) != 1:
+        raise ValueError(f"{op}: row_scales {tuple(row_scales.shape)} {row_scales.dtype} must be float32 [rows, "
+                         f"ranks] = [{rows}, {ranks}] with unit column stride")
+    return row_scales, row_scales.stride(0), True
 
 
 def deferred_parts(row_norm, placeholder):
@@ -51,11 +69,13 @@ def row_rstd(parts_ptr, row, programs, width, eps, PARTS: tl.constexpr):
     return rstd
 
 
-def projections_reference(row, widths, lora_B, scales, bias=None, row_norm=None):
+def projections_reference(row, widths, lora_B, scales, bias=None, row_norm=None, row_scales=None):
     """The projections of a GEMM row over [W_1; ...; W_n; A...] as the decode-step kernels compute them, in the row's
-    dtype: y_i + scale_i * s_i B_i^T, times the deferred norm's rstd, plus the bias (the references' common part)."""
+    dtype: y_i + scale_i * s_i B_i^T, times the deferred norm's rstd, plus the bias (the references' common part).
+    With row_scales each row's s columns are scaled by its own factors instead (see columns_with_lora)."""
     # row: [M, sum widths + ranks] ([y_1 | ... | y_n | s...], an s per projection with an adapter); lora_B: per
-    # projection [width_i, r_i] or None; bias: [>= sum widths] or None; row_norm: (parts [M, P], width, eps) or None
+    # projection [width_i, r_i] or None; bias: [>= sum widths] or None; row_norm: (parts [M, P], width, eps) or None;
+    # row_scales: fp32 [M, ranks] (the s columns' layout) or None
     wide = torch.promote_types(row.dtype, torch.float32)  # rstd's precision: fp32, or float64 for an exact reference
     rstd = None
     if row_norm is not None:
@@ -65,7 +85,12 @@ def projections_reference(row, widths, lora_B, scales, bias=None, row_norm=None)
     for width, B, scale in zip(widths, lora_B, scales):
         out = row[:, start:start + width]
         if B is not None:
-            out = out + scale * (row[:, s_start:s_start + B.shape[1]] @ B.t())
+            s = row[:, s_start:s_start + B.shape[1]]
+            if row_scales is None:
+                out = out + scale * (s @ B.t())
+            else:
+                first = s_start - sum(widths)
+                out = out + (s * row_scales[:, first:first + B.shape[1]].to(s.dtype)) @ B.t()
             s_start += B.shape[1]
         if rstd is not None:
             out = (out.to(wide) * rstd).to(out.dtype)

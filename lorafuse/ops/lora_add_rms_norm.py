@@ -13,20 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import columns_with_lora, rank_tile
+from ._lora_columns import columns_with_lora, projections_reference, rank_tile, row_scales_args
 from .rms_norm import MAX_WIDTH, rms_norm_reference, row_warps
 
 LORA_BLOCK = 256  # columns per program with an adapter
 
 
-def lora_add_rms_norm_reference(proj, lora_B, scale, residual, weight, eps, normed, defer=False):
+def lora_add_rms_norm_reference(proj, lora_B, scale, residual, weight, eps, normed, defer=False, row_scales=None):
     # proj: [M, N + r] ([y | s]); lora_B: [N, r] or None (no adapter: r = 0); residual: [M, N], updated in place to
     # h = residual + y + scale * s B^T; weight: [N]; normed: [M, N] <- rms_norm(h) * weight, or with defer h * weight,
-    # and returns (sums of h^2 [M, 1] fp32, N, eps): what the kernel after the next GEMM scales its rows by
+    # and returns (sums of h^2 [M, 1] fp32, N, eps): what the kernel after the next GEMM scales its rows by;
+    # row_scales: fp32 [M, r], each row's factors for its s in place of scale (an adapter bank), or None
     n = residual.shape[1]
-    y = proj[:, :n]
-    if lora_B is not None:
-        y = y + scale * (proj[:, n:] @ lora_B.t())
+    y = projections_reference(proj, (n,), (lora_B,), (scale,), row_scales=row_scales)[0]
     residual += y
     if not defer:
         normed.copy_(rms_norm_reference(residual, weight, eps))
@@ -47,9 +46,10 @@ def _store_normed(x, cols, mask, res_ptr, w_ptr, out_ptr, row, N, stride_out, su
 
 
 @triton.jit
-def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count_ptr, N, rank, stride_proj, stride_b,
-                       stride_res, stride_out, scale, eps, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PARTS: tl.constexpr, DEFER: tl.constexpr, R: tl.constexpr):
+def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count_ptr, mult_ptr, N, rank, stride_proj,
+                       stride_b, stride_res, stride_out, stride_mult, scale, eps, BLOCK: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PARTS: tl.constexpr, DEFER: tl.constexpr, R: tl.constexpr,
+                       ROW_SCALES: tl.constexpr):
     # grid: (M, programs per row), BLOCK columns each; PARTS: a power of two >= programs per row, 1 when a program
     # takes the whole row (BLOCK = BLOCK_N). proj: [M, N + rank], B: [N, rank], residual, out: [M, N] (unit column
     # strides); part: fp32 [M, PARTS] and count: int32 [M], zero (both unread when PARTS = 1). DEFER: out <- h * w,
@@ -57,7 +57,8 @@ def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    h = columns_with_lora(proj_ptr + row * stride_proj, cols, b_ptr, cols, stride_b, rank, N, scale, mask, R)
+    h = columns_with_lora(proj_ptr + row * stride_proj, cols, b_ptr, cols, stride_b, rank, N, scale,
+                          mult_ptr + row * stride_mult, mask, R, ROW_SCALES)
     h += tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     h = h.to(res_ptr.dtype.element_ty)
     tl.store(res_ptr + row * stride_res + cols, h, mask=mask)
@@ -97,7 +98,7 @@ def _zeroed_counts(device: torch.device, rows: int) -> torch.Tensor:
     return counts
 
 
-def lora_add_rms_norm(proj, lora_B, scale, residual, weight, eps, normed, defer=False):
+def lora_add_rms_norm(proj, lora_B, scale, residual, weight, eps, normed, defer=False, row_scales=None):
     """lora_add_rms_norm_reference's writes in one launch; with defer, returns (parts [M, programs] fp32, N, eps) for
     the kernel after the next GEMM (rope_cache_write, lora_silu_mul: row_norm)."""
     # shapes: see lora_add_rms_norm_reference
@@ -121,9 +122,10 @@ def lora_add_rms_norm(proj, lora_B, scale, residual, weight, eps, normed, defer=
         split = (torch.empty(M, parts, dtype=torch.float32, device=proj.device), _zeroed_counts(proj.device, M))
     else:
         split = (proj, proj)  # one program per row: any pointers, unread
+    mult, stride_mult, per_row = row_scales_args(row_scales, M, rank, proj, "lora_add_rms_norm")
     _lora_add_rms_norm[(M, programs)](
-        proj, proj if lora_B is None else lora_B, residual, weight, normed, *split, N, rank,
-        proj.stride(0), 0 if lora_B is None else lora_B.stride(0), residual.stride(0), normed.stride(0), float(scale),
-        float(eps), BLOCK=columns, BLOCK_N=block, PARTS=parts, DEFER=defer, R=r_tile,
-        num_warps=4 if programs > 1 else row_warps(block))
+        proj, proj if lora_B is None else lora_B, residual, weight, normed, *split, mult, N, rank,
+        proj.stride(0), 0 if lora_B is None else lora_B.stride(0), residual.stride(0), normed.stride(0), stride_mult,
+        float(scale), float(eps), BLOCK=columns, BLOCK_N=block, PARTS=parts, DEFER=defer, R=r_tile,
+        ROW_SCALES=per_row, num_warps=4 if programs > 1 else row_warps(block))
     return (split[0], N, eps) if defer else None

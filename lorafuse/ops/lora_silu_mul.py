@@ -9,26 +9,29 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import columns_with_lora, deferred_parts, projections_reference, rank_tile, row_rstd
+from ._lora_columns import (columns_with_lora, deferred_parts, projections_reference, rank_tile, row_rstd,
+                            row_scales_args)
 from .silu_mul import silu_mul_reference
 
 BLOCK = 1024  # columns per program: a decode row of an MLP (a few thousand) spreads over a few programs per row
 LORA_BLOCK = 128  # with adapters: a program also holds [columns, rank] tiles of B (128: fastest of 64-512, H200)
 
 
-def lora_silu_mul_reference(proj, lora_B, scales, out, bias=None, row_norm=None):
+def lora_silu_mul_reference(proj, lora_B, scales, out, bias=None, row_norm=None, row_scales=None):
     # proj: [M, 2 I + r_g + r_u] ([gate | up | s_gate | s_up]); lora_B: (B_gate [I, r_g], B_up [I, r_u]), None
     # where a projection has no adapter; scales: 2 floats; bias: [>= 2 I] ([b_gate | b_up | ...]) or None;
-    # row_norm: (parts [M, P], width, eps) of a deferred norm or None; out: [M, I] <- silu(gate') * up'
+    # row_norm: (parts [M, P], width, eps) of a deferred norm or None; row_scales: fp32 [M, r_g + r_u], each row's
+    # factors for its s in place of the scales (an adapter bank), or None; out: [M, I] <- silu(gate') * up'
     width = out.shape[1]
-    halves = projections_reference(proj, (width, width), lora_B, scales, bias, row_norm)
+    halves = projections_reference(proj, (width, width), lora_B, scales, bias, row_norm, row_scales)
     out.copy_(silu_mul_reference(*halves))
 
 
 @triton.jit
-def _lora_silu_mul(proj_ptr, bg_ptr, bu_ptr, bias_ptr, parts_ptr, out_ptr, width, rank_g, rank_u, stride_proj,
-                   stride_bg, stride_bu, stride_out, scale_g, scale_u, programs, norm_width, eps, BLOCK: tl.constexpr,
-                   R: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr):
+def _lora_silu_mul(proj_ptr, bg_ptr, bu_ptr, bias_ptr, parts_ptr, out_ptr, mult_ptr, width, rank_g, rank_u,
+                   stride_proj, stride_bg, stride_bu, stride_out, stride_mult, scale_g, scale_u, programs, norm_width,
+                   eps, BLOCK: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr,
+                   ROW_SCALES: tl.constexpr):
     # grid: (M, column blocks); proj: [M, 2 width + rank_g + rank_u], B_g: [width, rank_g], B_u: [width, rank_u];
     # bias: [2 width] (HAS_BIAS); parts: [M, programs] sums of squares of a deferred norm (PARTS > 0)
     row = tl.program_id(0).to(tl.int64)
@@ -36,9 +39,11 @@ def _lora_silu_mul(proj_ptr, bg_ptr, bu_ptr, bias_ptr, parts_ptr, out_ptr, width
     mask = cols < width
     proj = proj_ptr + row * stride_proj
     rstd = row_rstd(parts_ptr, row, programs, norm_width, eps, PARTS)
-    gate = rstd * columns_with_lora(proj, cols, bg_ptr, cols, stride_bg, rank_g, 2 * width, scale_g, mask, R)
+    mult = mult_ptr + row * stride_mult  # the row's scales of [s_g | s_u] (ROW_SCALES)
+    gate = rstd * columns_with_lora(proj, cols, bg_ptr, cols, stride_bg, rank_g, 2 * width, scale_g, mult, mask, R,
+                                    ROW_SCALES)
     up = rstd * columns_with_lora(proj, width + cols, bu_ptr, cols, stride_bu, rank_u, 2 * width + rank_g, scale_u,
-                                  mask, R)
+                                  mult + rank_g, mask, R, ROW_SCALES)
     if HAS_BIAS:
         gate += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         up += tl.load(bias_ptr + width + cols, mask=mask, other=0.0).to(tl.float32)
@@ -46,7 +51,8 @@ def _lora_silu_mul(proj_ptr, bg_ptr, bu_ptr, bias_ptr, parts_ptr, out_ptr, width
     tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def lora_silu_mul(proj: torch.Tensor, lora_B, scales, out: torch.Tensor, bias=None, row_norm=None) -> None:
+def lora_silu_mul(proj: torch.Tensor, lora_B, scales, out: torch.Tensor, bias=None, row_norm=None,
+                  row_scales=None) -> None:
     """lora_silu_mul_reference's write in one launch."""
     # shapes: see lora_silu_mul_reference
     M, width = out.shape
@@ -62,7 +68,8 @@ def lora_silu_mul(proj: torch.Tensor, lora_B, scales, out: torch.Tensor, bias=No
     r_tile = rank_tile(*ranks)
     block = LORA_BLOCK if r_tile else BLOCK
     parts, programs, parts_tile, norm_width, eps = deferred_parts(row_norm, proj)
+    mult, stride_mult, per_row = row_scales_args(row_scales, M, sum(ranks), proj, "lora_silu_mul")
     _lora_silu_mul[(M, triton.cdiv(width, block))](
-        proj, *bs, proj if bias is None else bias, parts, out, width, *ranks, proj.stride(0),
-        *(B.stride(0) for B in bs), out.stride(0), *map(float, scales), programs, norm_width, eps, BLOCK=block,
-        R=r_tile, HAS_BIAS=bias is not None, PARTS=parts_tile, num_warps=4)
+        proj, *bs, proj if bias is None else bias, parts, out, mult, width, *ranks, proj.stride(0),
+        *(B.stride(0) for B in bs), out.stride(0), stride_mult, *map(float, scales), programs, norm_width, eps,
+        BLOCK=block, R=r_tile, HAS_BIAS=bias is not None, PARTS=parts_tile, ROW_SCALES=per_row, num_warps=4)

@@ -12,19 +12,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import columns_with_lora, deferred_parts, projections_reference, rank_tile, row_rstd
+from ._lora_columns import (columns_with_lora, deferred_parts, projections_reference, rank_tile, row_rstd,
+                            row_scales_args)
 
 
 def rope_cache_write_reference(qkv, lora_B, scales, cos, sin, q_norm, k_norm, eps, slot, q_out, k_cache, v_cache,
-                               bias=None, row_norm=None):
+                               bias=None, row_norm=None, row_scales=None):
     # qkv: [B, Nq + 2 Nkv + (r_q + r_k + r_v)]: [q | k | v | s_q | s_k | s_v], the s of projections with an adapter;
     # lora_B: (B_q [Nq, r_q], B_k [Nkv, r_k], B_v [Nkv, r_v]), None where a projection has no adapter; scales: 3
     # floats; cos, sin: [B, D]; q_norm, k_norm: [D] or None; slot: int64 [1]; q_out: [B, Hq, 1, D];
     # k_cache, v_cache: [B, Hkv, L, D]; bias: [>= Nq + 2 Nkv] ([b_q | b_k | b_v | ...]) or None; row_norm: (parts
-    # [B, P], width, eps) of a deferred norm or None. Writes q_out and k_cache[:, :, slot], v_cache[:, :, slot].
+    # [B, P], width, eps) of a deferred norm or None; row_scales: fp32 [B, r_q + r_k + r_v], each row's factors for
+    # its s in place of the scales (an adapter bank), or None. Writes q_out and k_cache[:, :, slot], v_cache[:, :,
+    # slot].
     batch, n_heads, _, d = q_out.shape
     widths = (n_heads * d, k_cache.shape[1] * d, k_cache.shape[1] * d)
-    q, k, v = (out.view(batch, -1, d) for out in projections_reference(qkv, widths, lora_B, scales, bias, row_norm))
+    q, k, v = (out.view(batch, -1, d) for out in projections_reference(qkv, widths, lora_B, scales, bias, row_norm,
+                                                                       row_scales))
     if q_norm is not None:
         q, k = rms_norm_of_heads(q, q_norm, eps), rms_norm_of_heads(k, k_norm, eps)
     q, k = rotated(q, cos, sin), rotated(k, cos, sin)
@@ -46,13 +50,14 @@ def rotated(x, cos, sin):
 
 
 @triton.jit
-def _head_halves(row_ptr, col, b_ptr, stride_b, b_row, rank, s_col, scale, rstd, bias_ptr, offs, mask,
-                 HALF_D: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _head_halves(row_ptr, col, b_ptr, stride_b, b_row, rank, s_col, scale, mult_ptr, rstd, bias_ptr, offs, mask,
+                 HALF_D: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SCALES: tl.constexpr):
     # the head at columns [col, col + 2 HALF_D) of one GEMM row plus its adapter's expand (rows b_row... of B), times
     # the row's rstd (1 without a deferred norm), plus the bias: its two halves in fp32
-    x1 = rstd * columns_with_lora(row_ptr, col + offs, b_ptr, b_row + offs, stride_b, rank, s_col, scale, mask, R)
+    x1 = rstd * columns_with_lora(row_ptr, col + offs, b_ptr, b_row + offs, stride_b, rank, s_col, scale, mult_ptr,
+                                  mask, R, ROW_SCALES)
     x2 = rstd * columns_with_lora(row_ptr, col + HALF_D + offs, b_ptr, b_row + HALF_D + offs, stride_b, rank, s_col,
-                                  scale, mask, R)
+                                  scale, mult_ptr, mask, R, ROW_SCALES)
     if HAS_BIAS:
         x1 += tl.load(bias_ptr + col + offs, mask=mask, other=0.0).to(tl.float32)
         x2 += tl.load(bias_ptr + col + HALF_D + offs, mask=mask, other=0.0).to(tl.float32)
@@ -72,13 +77,15 @@ def _normed_and_rotated(x1, x2, norm_ptr, cos1, cos2, sin1, sin2, eps, offs, mas
 
 @triton.jit
 def _rope_cache_write(qkv_ptr, bq_ptr, bk_ptr, bv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
-                      bias_ptr, parts_ptr, stride_qkv, stride_bq, stride_bk, stride_bv, stride_cos, stride_sin,
-                      stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, n_heads,
+                      bias_ptr, parts_ptr, mult_ptr, stride_qkv, stride_bq, stride_bk, stride_bv, stride_cos,
+                      stride_sin, stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                      stride_vn, n_heads,
                       n_kv_heads, rank_q, rank_k, rank_v, scale_q, scale_k, scale_v, eps, programs, norm_width,
-                      norm_eps, HALF_D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr, R: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, PARTS: tl.constexpr):
+                      norm_eps, stride_mult, HALF_D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
+                      R: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr, ROW_SCALES: tl.constexpr):
     # grid: (B, Hq + Hkv). Programs h < Hq take query head h; the others key/value head h - Hq. bias: [Nq + 2 Nkv]
-    # (HAS_BIAS); parts: [B, programs] sums of squares of a deferred norm (PARTS > 0)
+    # (HAS_BIAS); parts: [B, programs] sums of squares of a deferred norm (PARTS > 0); mult: [B, r_q + r_k + r_v]
+    # per-row scales of the s columns (ROW_SCALES)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -93,9 +100,10 @@ def _rope_cache_write(qkv_ptr, bq_ptr, bk_ptr, bv_ptr, cos_ptr, sin_ptr, qn_ptr,
     kv_width = n_kv_heads * head_dim
     s_q = q_width + 2 * kv_width  # the shrinks follow the three projections
     rstd = row_rstd(parts_ptr, b.to(tl.int64), programs, norm_width, norm_eps, PARTS)
+    mult = mult_ptr + b.to(tl.int64) * stride_mult
     if h < n_heads:
-        x1, x2 = _head_halves(row, h * head_dim, bq_ptr, stride_bq, h * head_dim, rank_q, s_q, scale_q, rstd, bias_ptr,
-                              offs, mask, HALF_D, R, HAS_BIAS)
+        x1, x2 = _head_halves(row, h * head_dim, bq_ptr, stride_bq, h * head_dim, rank_q, s_q, scale_q, mult, rstd,
+                              bias_ptr, offs, mask, HALF_D, R, HAS_BIAS, ROW_SCALES)
         x1, x2 = _normed_and_rotated(x1, x2, qn_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HALF_D, QK_NORM)
         out = q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh
         tl.store(out + offs, x1.to(q_ptr.dtype.element_ty), mask=mask)
@@ -104,13 +112,14 @@ def _rope_cache_write(qkv_ptr, bq_ptr, bk_ptr, bv_ptr, cos_ptr, sin_ptr, qn_ptr,
         hk = h - n_heads
         slot = tl.load(slot_ptr)
         x1, x2 = _head_halves(row, q_width + hk * head_dim, bk_ptr, stride_bk, hk * head_dim, rank_k, s_q + rank_q,
-                              scale_k, rstd, bias_ptr, offs, mask, HALF_D, R, HAS_BIAS)
+                              scale_k, mult + rank_q, rstd, bias_ptr, offs, mask, HALF_D, R, HAS_BIAS, ROW_SCALES)
         x1, x2 = _normed_and_rotated(x1, x2, kn_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HALF_D, QK_NORM)
         out = k_ptr + b.to(tl.int64) * stride_kb + hk * stride_kh + slot * stride_kn
         tl.store(out + offs, x1.to(k_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF_D + offs, x2.to(k_ptr.dtype.element_ty), mask=mask)
         x1, x2 = _head_halves(row, q_width + kv_width + hk * head_dim, bv_ptr, stride_bv, hk * head_dim, rank_v,
-                              s_q + rank_q + rank_k, scale_v, rstd, bias_ptr, offs, mask, HALF_D, R, HAS_BIAS)
+                              s_q + rank_q + rank_k, scale_v, mult + rank_q + rank_k, rstd, bias_ptr, offs, mask,
+                              HALF_D, R, HAS_BIAS, ROW_SCALES)
         out = v_ptr + b.to(tl.int64) * stride_vb + hk * stride_vh + slot * stride_vn
         tl.store(out + offs, x1.to(v_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF_D + offs, x2.to(v_ptr.dtype.element_ty), mask=mask)
@@ -135,7 +144,7 @@ def _check(qkv, lora_B, cos, sin, q_out, k_cache, v_cache):
 
 
 def rope_cache_write(qkv, lora_B, scales, cos, sin, q_norm, k_norm, eps, slot, q_out, k_cache, v_cache, bias=None,
-                     row_norm=None):
+                     row_norm=None, row_scales=None):
     """rope_cache_write_reference's writes in one launch, without host syncs (the slot is read on the device)."""
     # shapes: see rope_cache_write_reference
     _check(qkv, lora_B, cos, sin, q_out, k_cache, v_cache)
@@ -150,9 +159,11 @@ def rope_cache_write(qkv, lora_B, scales, cos, sin, q_norm, k_norm, eps, slot, q
     norms = (qkv, qkv) if q_norm is None else (q_norm, k_norm)
     block = triton.next_power_of_2(d // 2)
     parts, programs, parts_tile, norm_width, norm_eps = deferred_parts(row_norm, qkv)
+    mult, stride_mult, per_row = row_scales_args(row_scales, batch, sum(ranks), qkv, "rope_cache_write")
     _rope_cache_write[(batch, n_heads + n_kv)](
-        qkv, *bs, cos, sin, *norms, slot, q_out, k_cache, v_cache, qkv if bias is None else bias, parts, qkv.stride(0),
+        qkv, *bs, cos, sin, *norms, slot, q_out, k_cache, v_cache, qkv if bias is None else bias, parts, mult,
+        qkv.stride(0),
         *(B.stride(0) for B in bs), cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], n_heads, n_kv, *ranks, *map(float, scales), float(eps), programs,
-        norm_width, norm_eps, HALF_D=d // 2, BLOCK=block, QK_NORM=q_norm is not None, R=rank_tile(*ranks),
-        HAS_BIAS=bias is not None, PARTS=parts_tile, num_warps=1)
+        norm_width, norm_eps, stride_mult, HALF_D=d // 2, BLOCK=block, QK_NORM=q_norm is not None,
+        R=rank_tile(*ranks), HAS_BIAS=bias is not None, PARTS=parts_tile, ROW_SCALES=per_row, num_warps=1)

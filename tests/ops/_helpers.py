@@ -29,6 +29,12 @@ def rel_err(got: torch.Tensor, exact: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact)).item()
 
 
+def bank_row_scales(rows: int, ranks: int) -> torch.Tensor:
+    """Per-row scales of an adapter bank's s columns (the decode-step kernels' row_scales): float32 factors of 0.5-2,
+    about half of them 0 (the columns of adapters that a row does not use)."""
+    return (torch.rand(rows, ranks) * 1.5 + 0.5) * (torch.rand(rows, ranks) < 0.5)
+
+
 def poison(tensor: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (in place) so that elements a kernel does not write show as NaN."""
     with torch.no_grad():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lorafuse.ops.lora_add_rms_norm import _counts, lora_add_rms_norm, lora_add_rms_norm_reference
-from tests.ops._helpers import DTYPES, assert_close, dtype_id, poison
+from tests.ops._helpers import DTYPES, assert_close, bank_row_scales, dtype_id, poison
 
 SCALE = 1.7
 EPS = 1e-6
@@ -15,8 +15,10 @@ def case_id(case):
 
 
 def run(fn, inputs, dtype):
-    """fn on copies of the inputs in `dtype`; returns the new residual and the normed output."""
-    args = {name: t.to(dtype).clone() if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
+    """fn on copies of the inputs in `dtype` (row_scales stay float32); returns the new residual and the normed
+    output."""
+    args = {name: t.to(dtype).clone() if isinstance(t, torch.Tensor) and name != "row_scales" else t
+            for name, t in inputs.items()}
     poison(args["normed"])
     fn(**args)
     return args["residual"], args["normed"]
@@ -31,12 +33,14 @@ def _reference_in_float64(inputs, residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("per_row", [False, True], ids=["", "row_scales"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_residual_and_norm_match_reference(case, dtype):
+def test_residual_and_norm_match_reference(case, per_row, dtype):
+    # per_row: each row's own scales of its s columns (an adapter bank) instead of SCALE
     m, n, r = case
     inputs = {"proj": torch.randn(m, n + (r or 0)), "lora_B": None if r is None else torch.randn(n, r) / r**0.5,
               "scale": SCALE, "residual": torch.randn(m, n) * 3, "weight": torch.rand(n) + 0.5, "eps": EPS,
-              "normed": torch.empty(m, n)}
+              "normed": torch.empty(m, n), **({"row_scales": bank_row_scales(m, r or 0)} if per_row else {})}
     got = run(lora_add_rms_norm, inputs, dtype)
     exact = run(lora_add_rms_norm_reference, inputs, torch.float64)
     plain = run(lora_add_rms_norm_reference, inputs, dtype) if dtype != torch.float32 else (None, None)

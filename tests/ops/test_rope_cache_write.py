@@ -5,7 +5,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from lorafuse.ops.rope_cache_write import rope_cache_write, rope_cache_write_reference, rotated
-from tests.ops._helpers import DTYPES, assert_close, dtype_id, poison
+from tests.ops._helpers import DTYPES, assert_close, bank_row_scales, dtype_id, poison
 
 SCALES = (1.7, 0.5, 2.0)
 EPS = 1e-6
@@ -19,9 +19,10 @@ def case_id(case):
     return f"B{rows}_Hq{hq}_Hkv{hkv}_D{d}_r{'-'.join(str(r or 0) for r in ranks)}"
 
 
-def random_inputs(rows, hq, hkv, d, ranks, qk_norm, deferred=False):
+def random_inputs(rows, hq, hkv, d, ranks, qk_norm, deferred=False, per_row=False):
     """The GEMM row [q | k | v | s...], adapters, rope tables of random positions, norms, a slot, the buffers; with
-    deferred also a bias and a deferred norm of the GEMM's input (partial sums of squares of 3 programs)."""
+    deferred also a bias and a deferred norm of the GEMM's input (partial sums of squares of 3 programs); with per_row
+    each row's own scales of the s columns (an adapter bank)."""
     widths = (hq * d, hkv * d, hkv * d)
     angles = torch.rand(rows, d // 2) * 40
     angles = torch.cat([angles, angles], -1)  # as transformers' rotary_emb: the two halves share frequencies
@@ -32,22 +33,26 @@ def random_inputs(rows, hq, hkv, d, ranks, qk_norm, deferred=False):
             "eps": EPS, "slot": torch.tensor([LENGTH - 3]), "q_out": torch.empty(rows, hq, 1, d),
             "k_cache": torch.randn(rows, hkv, LENGTH, d), "v_cache": torch.randn(rows, hkv, LENGTH, d),
             **({"bias": torch.randn(sum(widths)), "row_norm": (torch.rand(rows, 3) * 40 + 1, 50, EPS)} if deferred
-               else {})}
+               else {}),
+            **({"row_scales": bank_row_scales(rows, sum(r or 0 for r in ranks))} if per_row else {})}
 
 
 def in_dtype(inputs, dtype):
-    """Copies of the inputs with every float tensor in `dtype` (buffers too: each run writes its own)."""
+    """Copies of the inputs with every float tensor in `dtype` (buffers too: each run writes its own); row_scales
+    stay float32, as the kernel takes them."""
     def cast(t):
         return t.to(dtype).clone() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-    return {name: tuple(map(cast, t)) if name == "lora_B" else cast(t) for name, t in inputs.items()}
+    return {name: tuple(map(cast, t)) if name == "lora_B" else t if name == "row_scales" else cast(t)
+            for name, t in inputs.items()}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("per_row", [False, True], ids=["", "row_scales"])
 @pytest.mark.parametrize("deferred", [False, True], ids=["", "bias_deferred_norm"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_writes_match_reference(case, qk_norm, deferred, dtype):
-    inputs = random_inputs(*case, qk_norm, deferred)
+def test_writes_match_reference(case, qk_norm, deferred, per_row, dtype):
+    inputs = random_inputs(*case, qk_norm, deferred, per_row)
     got, exact = in_dtype(inputs, dtype), in_dtype(inputs, torch.float64)
     poison(got["q_out"])
     rope_cache_write(**got)
