@@ -3,6 +3,7 @@
 
     python recipes/serve.py                                    # the bundled tiny model on http://127.0.0.1:8000
     python recipes/serve.py model.adapter=runs/<run>/adapter port=8080
+    python recipes/serve.py model.adapter=runs/a/adapter +model.adapters.b=runs/b/adapter  # "model": "b" picks b
     curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "What is 2 plus 3?"}]}'
 
 Config: conf/serve.yaml. It listens on 127.0.0.1 unless host= says otherwise.

@@ -21,13 +21,12 @@ _PREFIX = "base_model.model."  # of module names in a PeftModel and of keys in P
 _LORA_KEY = re.compile(r"(.+)\.lora_([AB])\.weight")
 
 
-def swap_adapter(model: PeftModel, adapter: str | os.PathLike) -> None:
-    """Copy the LoRA adapter saved in the directory `adapter` into `model`'s active adapter weights, in place.
-    The new adapter must target the same modules with a rank no larger than the model's; nothing is copied
-    unless every layer fits."""
-    layers = _buffers(model)
+def swap_adapter(model: PeftModel, adapter: str | os.PathLike, name: str | None = None) -> None:
+    """Copy the LoRA adapter saved in the directory `adapter` into the weights of `model`'s adapter `name` (by
+    default the active one), in place. The new adapter must target the same modules with a rank no larger than the
+    model's; nothing is copied unless every layer fits."""
+    active, layers = _buffers(model, name)
     incoming = _read_adapter(adapter)
-    active = model.active_adapter
     _check_fits(layers, incoming, active, adapter)
     with torch.no_grad():
         for name, layer in layers.items():
@@ -36,19 +35,23 @@ def swap_adapter(model: PeftModel, adapter: str | os.PathLike) -> None:
                          lora_A, lora_B.float() * (scale / layer.scaling[active]))
 
 
-def _buffers(model: PeftModel) -> dict[str, LoraLayer]:
-    """The LoRA layers of `model`'s active adapter, by module name (without PEFT's prefix)."""
+def _buffers(model: PeftModel, adapter: str | None) -> tuple[str, dict[str, LoraLayer]]:
+    """(the adapter's name, the LoRA layers of `model`'s adapter `adapter` (None: the active one) by module name,
+    without PEFT's prefix)."""
     if not isinstance(model, PeftModel):
         raise TypeError(f"swap_adapter: an unmerged PeftModel is needed, got {type(model).__name__} (an adapter "
                         "merged into the weights cannot be swapped in place)")
-    adapter = model.active_adapter
+    adapter = model.active_adapter if adapter is None else adapter
+    if adapter not in model.peft_config:
+        raise ValueError(f"swap_adapter: the model holds no adapter {adapter!r} (it holds "
+                         f"{', '.join(map(repr, model.peft_config))})")
     layers = {name.removeprefix(_PREFIX): module for name, module in model.named_modules()
               if isinstance(module, LoraLayer) and adapter in module.lora_A}
     for name, layer in layers.items():
         if layer.merged or layer.use_dora.get(adapter) or layer.lora_B[adapter].bias is not None:
             raise ValueError(f"swap_adapter: {name} holds a merged, DoRA or lora_bias adapter {adapter!r}: only "
                              "unmerged plain LoRA weights are swapped in place")
-    return layers
+    return adapter, layers
 
 
 def _read_adapter(adapter: str | os.PathLike) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:

@@ -3,6 +3,7 @@ KV cache with views for smaller batches, one forward that returns each row's nex
 windows), the model's EOS and padding ids, merging an adapter or stacking it under the
 frozen weights, and transformers' generate for the models it does not cover.
 """
+import contextlib
 import copy
 
 import torch
@@ -97,12 +98,17 @@ def decode_attention_kwargs(model: torch.nn.Module, keep: torch.Tensor) -> dict:
 
 
 def next_token_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                      cache: StaticCache, **attention_kwargs) -> torch.Tensor:
-    """One forward that appends `ids` to `cache` and returns the logits after each row's last token."""
+                      cache: StaticCache, adapter_names: list[str] | None = None, **attention_kwargs) -> torch.Tensor:
+    """One forward that appends `ids` to `cache` and returns the logits after each row's last token; with
+    adapter_names (a PeftModel's), row i runs adapter adapter_names[i] ("__base__": none), as PEFT's mixed batches."""
     # ids, positions: [B, T]; mask: [B, K] keep-mask of the cache slots each row attends to (a prefill's K = T),
     # or decode_mask's [B, 1, 1, K] -> [B, V]
-    out = causal_lm(model)(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1, **attention_kwargs)
+    rows = contextlib.nullcontext()
+    if adapter_names is not None:
+        rows = model.base_model._enable_peft_forward_hooks(adapter_names=adapter_names)  # PEFT's own per-row routing
+    with rows:
+        out = causal_lm(model)(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                               use_cache=True, logits_to_keep=1, **attention_kwargs)
     return out.logits[:, -1]
 
 
@@ -124,6 +130,23 @@ def pad_token_id(model: torch.nn.Module) -> int:
     lm = causal_lm(model)
     pad = getattr(lm.generation_config, "pad_token_id", None)
     return pad if pad is not None else (eos_token_ids(model) or [0])[0]
+
+
+def adapter_bank(model: torch.nn.Module) -> tuple[str, ...] | None:
+    """The LoRA adapters of a PeftModel that holds more than one, in the order they were added: the fused step then
+    stacks them all and each row picks one (fused_decode). None for a single adapter, or none."""
+    if not isinstance(model, PeftModel):
+        return None
+    names = tuple(name for name, config in model.peft_config.items() if config.peft_type == PeftType.LORA)
+    return names if len(names) > 1 else None
+
+
+def adapter_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The LoRA adapters that rows of a batch may name: those of a PeftModel's adapter bank, its active adapter if
+    it holds one, none for a model without adapters (or with its adapter merged)."""
+    if not isinstance(model, PeftModel):
+        return ()
+    return adapter_bank(model) or (model.active_adapter,)
 
 
 def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
@@ -164,14 +187,15 @@ def cast_adapters(model: torch.nn.Module) -> None:
 
 
 def hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,
-                temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+                temperature: float, top_k: int, top_p: float, adapter_names: list[str] | None = None) -> torch.Tensor:
     """transformers' generate on a left-padded batch, with lorafuse's sampling settings (temperature 0: greedy);
-    returns the new tokens only. Draws from torch's global generator."""
+    returns the new tokens only. Draws from torch's global generator. adapter_names: as next_token_logits'."""
     # ids, mask: [B, T] -> [B, <= max_new_tokens]
     sampling = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p}
     # num_beams=1: a model's generation config may ask for beam search, which captured decoding never does.
+    rows = {} if adapter_names is None else {"adapter_names": adapter_names}  # PeftModel.generate routes them
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, num_beams=1,
-                         eos_token_id=eos_token_ids(model), pad_token_id=pad_token_id(model), **sampling)
+                         eos_token_id=eos_token_ids(model), pad_token_id=pad_token_id(model), **sampling, **rows)
     return out[:, ids.shape[1]:]

@@ -11,12 +11,15 @@ Per layer, with h the residual stream and x its normed copy (both updated in pla
   5. one GEMM with [Wg; Wu; Ag; Au], then ops.lora_silu_mul;
   6. one GEMM with [Wd; Ad], then ops.lora_add_rms_norm with the next layer's input norm (the final norm after the
      last layer), so that no layer starts with a norm of its own.
-At batch 1 the GEMMs (and lm_head) are ops.gemv, which reads the weights faster than cuBLAS's kernels there.
-Merged and unmerged adapters run the same launches: an unmerged adapter adds rank-r rows to the GEMMs and a few
-multiply-adds inside the kernels after them. With an adapter on o_proj (down_proj) the residual kernel spreads each
-row over programs and defers the norm: x leaves as h * w with partial sums of h^2, and the kernel after the next
-GEMM (5, or 2 of the next layer) scales its rows by rstd before adding the bias (ops/_lora_columns.py). Prefill
-stays on transformers' forward; both write the same cache.
+At batch 1 the GEMMs (and lm_head) are ops.gemv, which reads the weights faster than cuBLAS's kernels there. Merged and
+unmerged adapters run the same launches: an unmerged adapter adds rank-r rows to the GEMMs and a few multiply-adds
+inside the kernels after them. A PeftModel holding several LoRA adapters gets them all stacked (an adapter bank): each
+GEMM gives every adapter's shrink, and each row of a batch scales the s columns of the adapter it picks (or none) by
+that adapter's scale and the others' by 0 (`row_scales` of the kernels after the GEMMs), so rows of one batch run
+different adapters in the same captured step. With an adapter on o_proj (down_proj) the residual kernel spreads each row
+over programs and defers the norm: x leaves as h * w with partial sums of h^2, and the kernel after the next GEMM (5, or
+2 of the next layer) scales its rows by rstd before adding the bias (ops/_lora_columns.py). Prefill stays on
+transformers' forward; both write the same cache.
 
 The weights of each GEMM are stored one after another in one buffer (`StackedLinear`), and the modules' parameters
 re-pointed to views of it, so that PEFT, swap_adapter (which copies into lora_A and lora_B in place) and the user's
@@ -42,7 +45,7 @@ from ..ops.lora_add_rms_norm import lora_add_rms_norm
 from ..ops.lora_silu_mul import lora_silu_mul
 from ..ops.rms_norm import rms_norm
 from ..ops.rope_cache_write import rope_cache_write
-from .decoding import cast_adapters, causal_lm, weights_captured
+from .decoding import adapter_bank, cast_adapters, causal_lm, weights_captured
 from .lora import FusedLoraLinear
 from .model_kernels import KernelForward, computes_as_llama_rms_norm, computes_as_swiglu_mlp
 
@@ -105,9 +108,9 @@ def unsupported_reason(model: nn.Module, stack_adapters: bool = True) -> str | N
                       lm.get_output_embeddings())
     if hooks:
         return f"{hooks} (e.g. accelerate offload); the fused step would skip them"
-    captured = weights_captured(model)
+    captured, bank = weights_captured(model), adapter_bank(model)
     for i, layer in enumerate(lm.model.layers):
-        reason = _layer_reason(layer, dtype, captured)
+        reason = _layer_reason(layer, dtype, captured, bank)
         if reason is not None:
             return f"decoder layer {i}: {reason}"
     head_dim = lm.model.layers[0].self_attn.head_dim
@@ -120,8 +123,9 @@ def unsupported_reason(model: nn.Module, stack_adapters: bool = True) -> str | N
     return None
 
 
-def _layer_reason(layer: nn.Module, dtype: torch.dtype, captured: bool) -> str | None:
-    # captured: CUDA graphs of another engine read the weights where they are (decoding.mark_captured)
+def _layer_reason(layer: nn.Module, dtype: torch.dtype, captured: bool, bank: tuple[str, ...] | None) -> str | None:
+    # captured: CUDA graphs of another engine read the weights where they are (decoding.mark_captured); bank: see
+    # adapter_bank
     attn, mlp = layer.self_attn, layer.mlp
     if type(layer) not in DECODER_LAYERS or type(attn) not in ATTENTIONS:
         return (f"{type(layer).__name__} with {type(attn).__name__} (the fused step computes "
@@ -139,10 +143,10 @@ def _layer_reason(layer: nn.Module, dtype: torch.dtype, captured: bool) -> str |
         return "a norm that does not compute as LlamaRMSNorm"
     for parent, names in GROUPS:
         for name in names:
-            reason = _projection_reason(getattr(layer, parent).get_submodule(name), dtype)
+            reason = _projection_reason(getattr(layer, parent).get_submodule(name), dtype, bank)
             if reason is not None:
                 return f"{name}: {reason}"
-        if _moved_by_another_layout([getattr(layer, parent).get_submodule(name) for name in names], captured):
+        if _moved_by_another_layout([getattr(layer, parent).get_submodule(name) for name in names], captured, bank):
             return (f"{', '.join(names)} laid out or captured by another engine on this model (views into another "
                     "buffer, or read by CUDA graphs of transformers' step): moving them would strand what holds "
                     "them there")
@@ -164,9 +168,9 @@ def _hooks_on(*modules: nn.Module) -> str:
     return "; ".join(found)
 
 
-def _projection_reason(module: nn.Module, dtype: torch.dtype) -> str | None:
+def _projection_reason(module: nn.Module, dtype: torch.dtype, bank: tuple[str, ...] | None) -> str | None:
     """Why a q/k/v/o/gate/up/down projection cannot join a stacked GEMM, or None: an nn.Linear, or a plain LoRA
-    Linear on one (with an active adapter or none)."""
+    Linear on one (with an active adapter or none; with every adapter of a bank or none)."""
     base = module.get_base_layer() if type(module) in LORA_LINEARS else module
     if type(base) is not nn.Linear:
         return f"a {type(module).__name__} (the fused step runs nn.Linear, with or without a LoRA Linear on it)"
@@ -177,37 +181,41 @@ def _projection_reason(module: nn.Module, dtype: torch.dtype) -> str | None:
         return f"a {base.weight.dtype} weight in a {dtype} model"
     if module is base:
         return None
-    adapter = module.active_adapters[0]
     if module.merged or module.disable_adapters:
         return "adapters merged into the weights, or disabled, on an unmerged model"
-    if adapter not in module.lora_A:
-        return None  # no adapter on this projection
-    if adapter in module.lora_variant or module.use_dora.get(adapter):
-        return "a DoRA adapter (a LoRA variant)"
-    if module.fan_in_fan_out or module.lora_B[adapter].bias is not None:
-        return "fan_in_fan_out or lora_bias"
-    if type(module.lora_dropout[adapter]) not in (nn.Dropout, nn.Identity):
-        return f"a {type(module.lora_dropout[adapter]).__name__} lora_dropout (inference runs none)"
+    for adapter in _adapter_names(module, bank):
+        if adapter in module.lora_variant or module.use_dora.get(adapter):
+            return f"a DoRA adapter {adapter!r} (a LoRA variant)"
+        if module.fan_in_fan_out or module.lora_B[adapter].bias is not None:
+            return f"fan_in_fan_out or lora_bias (adapter {adapter!r})"
+        if type(module.lora_dropout[adapter]) not in (nn.Dropout, nn.Identity):
+            return f"a {type(module.lora_dropout[adapter]).__name__} lora_dropout (inference runs none)"
     return None
 
 
-def _adapter(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter, float] | None:
-    """(lora_A, lora_B, scale) of a projection's active adapter, or None (see _projection_reason)."""
-    if type(module) not in LORA_LINEARS or module.active_adapters[0] not in module.lora_A:
-        return None
-    adapter = module.active_adapters[0]
-    return module.lora_A[adapter].weight, module.lora_B[adapter].weight, float(module.scaling[adapter])
+def _adapter_names(module: nn.Module, bank: tuple[str, ...] | None) -> list[str]:
+    """The adapters on a projection that the fused step runs: its active one, or those of the bank (in its order);
+    none on a plain nn.Linear or where no such adapter targets the projection."""
+    if type(module) not in LORA_LINEARS:
+        return []
+    return [name for name in (bank or module.active_adapters[:1]) if name in module.lora_A]
 
 
-def _stacked_tensors(modules: list[nn.Module]) -> list[nn.Parameter]:
-    """What one GEMM stacks, in order: the frozen weights, then the lora_A of the projections with an adapter."""
+def _adapters(module: nn.Module, bank: tuple[str, ...] | None) -> dict[str, tuple[nn.Parameter, nn.Parameter, float]]:
+    """(lora_A, lora_B, scale) by adapter name, of the adapters the fused step runs on a projection."""
+    return {name: (module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]))
+            for name in _adapter_names(module, bank)}
+
+
+def _stacked_tensors(modules: list[nn.Module], bank: tuple[str, ...] | None) -> list[nn.Parameter]:
+    """What one GEMM stacks, in order: the frozen weights, then the lora_A of each projection's adapters."""
     weights = [m.get_base_layer().weight if type(m) in LORA_LINEARS else m.weight for m in modules]
-    return weights + [adapter[0] for adapter in map(_adapter, modules) if adapter is not None]
+    return weights + [a[0] for m in modules for a in _adapters(m, bank).values()]
 
 
-def _moved_by_another_layout(modules: list[nn.Module], captured: bool) -> bool:
+def _moved_by_another_layout(modules: list[nn.Module], captured: bool, bank: tuple[str, ...] | None) -> bool:
     # laying these out would move weights that another layout, or another engine's graphs, hold where they are
-    tensors = _stacked_tensors(modules)
+    tensors = _stacked_tensors(modules, bank)
     return stacked_rows(tensors) is None and (captured or any(map(shares_buffer, tensors)))
 
 
@@ -215,20 +223,51 @@ class StackedLinear:
     """The projections of one input (q/k/v, o, gate/up or down) as one GEMM over [W_1; ...; W_n; A_1; ...]: its
     output row is [y_1 | ... | y_n | s_1 | ...], with s = x A^T for the projections that have an adapter. The kernel
     after the GEMM adds scale * s B^T (`lora_B`, `scales`: per projection, None / 0 without an adapter), and the bias
-    where the input comes with a deferred norm (which scales the rows first; bias_in_gemm False)."""
+    where the input comes with a deferred norm (which scales the rows first; bias_in_gemm False).
 
-    def __init__(self, modules: list[nn.Module]):
-        tensors = _stacked_tensors(modules)
+    With an adapter bank each projection's s is its adapters' shrinks side by side, `lora_B` a copy of their B side
+    by side (`refresh_bank` copies them again after a swap), and `table` [len(bank) + 1, ranks] holds the per-row
+    scales of the s columns for each choice of adapter (the last: none); FusedDecoder sets `row_scales`."""
+
+    def __init__(self, modules: list[nn.Module], bank: tuple[str, ...] | None = None):
+        tensors = _stacked_tensors(modules, bank)
         self.weight = stacked_rows(tensors)
         if self.weight is None:  # laid out once, here; a second engine on the model finds it so
             for param, view in zip(tensors, stack_rows(tensors, tensors[0].dtype)):
                 param.data = view
             self.weight = stacked_rows(tensors)
-        adapters = [_adapter(m) for m in modules]
-        self.lora_B = tuple(None if a is None else a[1] for a in adapters)
-        self.scales = tuple(0.0 if a is None else a[2] for a in adapters)
+        adapters = [_adapters(m, bank) for m in modules]
+        self.row_scales = None  # [rows, ranks] view of FusedDecoder's buffer, with a bank
+        if bank is None:
+            self.lora_B = tuple(next((a[1] for a in found.values()), None) for found in adapters)
+            self.scales = tuple(next((a[2] for a in found.values()), 0.0) for found in adapters)
+            self.table, self._bank_sources = None, []
+        else:
+            self._bank_sources = [[a[1] for a in found.values()] for found in adapters]  # PEFT's lora_B, in order
+            self.lora_B = tuple(torch.cat(bs, 1) if bs else None for bs in self._bank_sources)
+            self.scales = tuple(0.0 for _ in modules)  # the row scales stand in for them
+            self.table = self._scale_table(adapters, bank)
         self.bias = self._stacked_bias([m.get_base_layer() if type(m) in LORA_LINEARS else m for m in modules])
         self.bias_in_gemm = True  # FusedLayer / FusedDecoder clear it where the input comes with a deferred norm
+
+    def _scale_table(self, adapters: list[dict], bank: tuple[str, ...]) -> torch.Tensor | None:
+        # [len(bank) + 1, ranks] fp32: row c scales the s columns of adapter bank[c] by its scale, all others by 0
+        columns = [(name, a[2]) for found in adapters for name, a in found.items() for _ in range(a[0].shape[0])]
+        if not columns:
+            return None
+        table = torch.zeros(len(bank) + 1, len(columns), dtype=torch.float32, device=self.weight.device)
+        for j, (name, scale) in enumerate(columns):
+            table[bank.index(name), j] = scale
+        return table
+
+    def refresh_bank(self) -> None:
+        """Copy the bank's lora_B again from PEFT's parameters (after a swap wrote into them)."""
+        for bank_b, sources in zip(self.lora_B, self._bank_sources):
+            if sources:
+                bank_b.copy_(torch.cat(sources, 1))
+
+    def row_scales_of(self, rows: int) -> torch.Tensor | None:
+        return None if self.row_scales is None else self.row_scales[:rows]
 
     def _stacked_bias(self, bases: list[nn.Linear]) -> torch.Tensor | None:
         # [b_1; ...; b_n; 0 for the shrinks], a copy: frozen biases never change at inference (swaps copy lora_A
@@ -255,13 +294,14 @@ class StackedLinear:
 class FusedLayer:
     """One decoder layer's part of the fused step."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, bank: tuple[str, ...] | None):
         attn, mlp = layer.self_attn, layer.mlp
         # the q/k/v and gate/up inputs may come with a deferred norm: then their kernels add the bias after its scaling
-        self.qkv = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = StackedLinear([attn.o_proj])
-        self.gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj])
-        self.down = StackedLinear([mlp.down_proj])
+        self.qkv = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], bank)
+        self.o = StackedLinear([attn.o_proj], bank)
+        self.gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj], bank)
+        self.down = StackedLinear([mlp.down_proj], bank)
+        self.gemms = (self.qkv, self.o, self.gate_up, self.down)
         # With an adapter on o_proj (down_proj) the residual kernel spreads each row over programs; deferring the
         # norm spares it the wait for the whole row. Not after the last layer (the final norm feeds lm_head: see
         # FusedDecoder), nor in fp16, whose range may not hold rows scaled by rms(h) (bf16's is fp32's). An input
@@ -286,37 +326,68 @@ class FusedLayer:
         qk_norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
                                                                    self.q_norm.variance_epsilon)
         rope_cache_write(self.qkv(normed), self.qkv.lora_B, self.qkv.scales, cos, sin, *qk_norms, slot, q,
-                         cache_layer.keys, cache_layer.values, bias=self.qkv.bias_after(), row_norm=row_norm)
+                         cache_layer.keys, cache_layer.values, bias=self.qkv.bias_after(), row_norm=row_norm,
+                         row_scales=self.qkv.row_scales_of(batch))
         attended = flash_attention(q, cache_layer.keys, cache_layer.values, causal=False, scale=self.scaling,
                                    windows=windows)  # [B, Hq, 1, D]
         row_norm = _add_and_norm(self.o, self.o(attended.transpose(1, 2).reshape(batch, -1)), hidden,
                                  self.post_attention_norm, normed, self.defers_attention_norm)
         activated = torch.empty(batch, self.intermediate, dtype=hidden.dtype, device=hidden.device)
         lora_silu_mul(self.gate_up(normed), self.gate_up.lora_B, self.gate_up.scales, activated,
-                      bias=self.gate_up.bias_after(), row_norm=row_norm)
+                      bias=self.gate_up.bias_after(), row_norm=row_norm, row_scales=self.gate_up.row_scales_of(batch))
         return _add_and_norm(self.down, self.down(activated), hidden, next_norm, normed, self.defers_next_norm)
 
 
 def _add_and_norm(linear: StackedLinear, proj, hidden, norm: nn.Module, normed, defer: bool):
     return lora_add_rms_norm(proj, linear.lora_B[0], linear.scales[0], hidden, norm.weight, norm.variance_epsilon,
-                             normed, defer=defer)
+                             normed, defer=defer, row_scales=linear.row_scales_of(hidden.shape[0]))
 
 
 class FusedDecoder:
-    """The fused decode step of `model` (unsupported_reason(model) must be None). Building it casts a PeftModel's
-    adapters to the model's dtype and lays out its weights for the stacked GEMMs (in place, kept: see the top)."""
+    """The fused decode step of `model` (unsupported_reason(model) must be None) for batches of up to `max_rows`.
+    Building it casts a PeftModel's adapters to the model's dtype and lays out its weights for the stacked GEMMs (in
+    place, kept: see the top). With an adapter bank (`bank`: its names) `select_adapters` says which adapter each row
+    runs."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, max_rows: int = 1):
         cast_adapters(model)
         lm = causal_lm(model)
         self.embed, self.lm_head = lm.get_input_embeddings(), lm.get_output_embeddings()
         self.rotary, self.final_norm = lm.model.rotary_emb, lm.model.norm
-        self.layers = [FusedLayer(layer) for layer in lm.model.layers]
+        self.bank = adapter_bank(model)
+        self.layers = [FusedLayer(layer, self.bank) for layer in lm.model.layers]
+        self._table, self._row_scales = self._bank_scales(max_rows)
         self.layers[-1].defers_next_norm = False  # the final norm feeds lm_head
         for previous, layer in zip(self.layers, self.layers[1:]):
             layer.qkv.bias_in_gemm = not previous.defers_next_norm
         # each layer ends with the next one's input norm (the final norm after the last): no layer starts with one
         self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+
+    def _bank_scales(self, max_rows: int):
+        # (table [choices, columns], buffer [max_rows, columns]) of every GEMM's per-row scales, side by side; each
+        # GEMM's row_scales is a column slice of the buffer, so one copy per batch sets them all
+        gemms = [g for layer in self.layers for g in layer.gemms if g.table is not None]
+        if not gemms:
+            return None, None
+        table = torch.cat([g.table for g in gemms], 1)
+        buffer = torch.zeros(max_rows, table.shape[1], dtype=table.dtype, device=table.device)
+        start = 0
+        for g in gemms:
+            g.row_scales = buffer[:, start:start + g.table.shape[1]]
+            start += g.table.shape[1]
+        return table, buffer
+
+    def select_adapters(self, choices: list[int]) -> None:
+        """Row i of the next batches runs adapter bank[choices[i]], or none where choices[i] == len(bank)."""
+        if self._row_scales is not None:
+            index = torch.tensor(choices, device=self._table.device)
+            self._row_scales[:len(choices)].copy_(self._table[index])
+
+    def refresh_bank(self) -> None:
+        """After a swap into one of the bank's adapters: the stacked GEMMs read lora_A in place, lora_B is copied."""
+        for layer in self.layers:
+            for gemm in layer.gemms:
+                gemm.refresh_bank()
 
     @torch.no_grad()
     def __call__(self, ids, positions, slot, keep, cache, logits) -> None:

@@ -99,8 +99,15 @@ def parameter_counts(model: peft.PeftModel) -> tuple[int, int]:
     return model.get_nb_trainable_parameters()
 
 
-def load_adapter(model: PreTrainedModel, adapter: str | os.PathLike, attention: bool) -> peft.PeftModel:
-    """The adapter saved in `adapter` (by PEFT or lorafuse) on `model`, with fused LoRA layers and, with
-    `attention`, lorafuse attention."""
+def load_adapter(model: PreTrainedModel, adapter: str | os.PathLike, attention: bool,
+                 others: dict[str, str] | None = None) -> peft.PeftModel:
+    """The adapter saved in `adapter` (by PEFT or lorafuse) on `model`, active as "default", and the adapters of
+    `others` (name: directory) beside it, with fused LoRA layers and, with `attention`, lorafuse attention."""
     check_exists(str(adapter))
-    return fuse(peft.PeftModel.from_pretrained(model, adapter), attention=attention)
+    peft_model = peft.PeftModel.from_pretrained(model, adapter)
+    for name, directory in (others or {}).items():
+        if name in peft_model.peft_config:
+            raise ModelLoadError(f"model.adapters: the name {name!r} is taken (by model.adapter); pick another")
+        check_exists(str(directory))
+        peft_model.load_adapter(directory, adapter_name=name)
+    return fuse(peft_model, attention=attention)

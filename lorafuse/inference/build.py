@@ -17,8 +17,12 @@ def build_engine(model_cfg: InferenceModelConfig, engine_cfg: EngineConfig):
                                    attn_implementation=model_cfg.attn_implementation,
                                    random_init=model_cfg.random_init, config_overrides=dict(model_cfg.config_overrides),
                                    trust_remote_code=model_cfg.trust_remote_code, seed=model_cfg.seed)
+    if model_cfg.adapters and (model_cfg.adapter is None or model_cfg.merge):
+        raise ValueError(f"model.adapters={dict(model_cfg.adapters)}: more adapters need model.adapter (the served "
+                         "model's own) and model.merge=false (several adapters run unmerged, side by side)")
     if model_cfg.adapter is not None:
-        model = loading.load_adapter(model, model_cfg.adapter, model_cfg.attn_implementation == "lorafuse")
+        model = loading.load_adapter(model, model_cfg.adapter, model_cfg.attn_implementation == "lorafuse",
+                                     others=dict(model_cfg.adapters))
     engine = Engine(model.to(device), tokenizer, max_length=engine_cfg.max_length, buckets=engine_cfg.buckets,
                     check_every=engine_cfg.check_every, merge=model_cfg.merge and model_cfg.adapter is not None,
                     cuda_graphs=engine_cfg.cuda_graphs)

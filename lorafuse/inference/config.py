@@ -15,6 +15,7 @@ class InferenceModelConfig:
     name_or_path: str = MISSING        # a Hub id or a local directory
     tokenizer: Optional[str] = None    # defaults to name_or_path
     adapter: Optional[str] = None      # a LoRA adapter directory in PEFT's format (what recipes/finetune.py saves)
+    adapters: dict[str, str] = field(default_factory=dict)  # more adapters by name (serve: a request's "model")
     merge: bool = False                # fold the adapter into the weights; unmerged it can be swapped in place
     dtype: str = "auto"                # auto: bfloat16 on CUDA, float32 on a CPU; or float32, bfloat16, float16
     attn_implementation: str = "lorafuse"  # lorafuse, sdpa or eager

@@ -97,7 +97,10 @@ class Engine:
                      f"generate, not captured decoding: {self.fallback_reason}")
             return
         self.fused_step_reason = self._fused_step_reason(fused_step, stack_adapters)
-        self._fused = fused_decode.FusedDecoder(self.model) if self.fused_step_reason is None else None
+        self._fused = None
+        if self.fused_step_reason is None:
+            self._fused = fused_decode.FusedDecoder(self.model, max_rows=self.buckets[-1])
+        self._step_adapters = None  # adapter_names of the rows for transformers' step, eager only (see _adapter_rows)
         self._norms = model_kernels.llama_rms_norms(decoding.causal_lm(self.model))
         self._latest = None  # (rows, how many of them the latest batch used)
         cache = decoding.static_cache(self.model, self.buckets[-1], max_length)
@@ -107,12 +110,29 @@ class Engine:
         if self.cuda_graphs:
             self._capture()
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters that rows may name (`adapters` of generate and stream): every adapter of a PeftModel
+        that holds several (run side by side in one batch), its active adapter if it holds one, else none."""
+        return decoding.adapter_names(self.model)
+
+    @property
+    def mixes_adapters(self) -> bool:
+        """Whether rows of one batch may run different adapters: with a fused step over an adapter bank, with
+        transformers' step stepped eagerly, and with transformers' generate (PEFT routes rows there)."""
+        if not self.adapter_names:
+            return False
+        if self.fallback_reason is not None:
+            return True
+        return self._fused.bank is not None if self._fused is not None else not self.cuda_graphs
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 adapters: Sequence[str | None] | None = None) -> list[list[int]]:
         """The new tokens of each prompt (token ids), EOS or the token completing a stop string included;
-        `on_tokens(row, ids)` is called with each row's new tokens as they come (see `stream`)."""
+        `on_tokens(row, ids)` is called with each row's new tokens as they come (see `stream` for `adapters`)."""
         tokens = [[] for _ in prompts]
-        for new in self.stream(prompts, params):
+        for new in self.stream(prompts, params, adapters):
             for row, ids in new.items():
                 tokens[row] += ids
                 if on_tokens is not None:
@@ -120,21 +140,24 @@ class Engine:
         return tokens
 
     @torch.no_grad()
-    def stream(self, prompts: Sequence[Sequence[int]],
-               params: SamplingParams | None = None) -> Iterator[dict[int, list[int]]]:
+    def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
+               adapters: Sequence[str | None] | None = None) -> Iterator[dict[int, list[int]]]:
         """Yields {row: its new token ids} every `check_every` tokens, for the rows that kept some, until every
         row has ended. Batches larger than the largest bucket run one after another. params: SamplingParams()
-        (greedy, 64 new tokens) by default."""
+        (greedy, 64 new tokens) by default. adapters: per prompt, one of `adapter_names`, "__base__" (no adapter, as
+        PEFT names it) or None (the active adapter); rows of one batch may differ where the model holds several
+        adapters and the decode step is fused, or runs eagerly."""
         params = SamplingParams() if params is None else params
         prompts = [list(prompt) for prompt in prompts]
         self._check(prompts, params)
+        adapters = self._adapter_rows(prompts, adapters)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         largest = self.buckets[-1]
         for start in range(0, len(prompts), largest):
             chunk = prompts[start:start + largest]
             checker = StopChecker(len(chunk), params.max_new_tokens, self.eos_token_ids, params.stop, decode)
             run = self._generate_eagerly if self.fallback_reason else self._decode
-            for new in run(chunk, params):
+            for new in run(chunk, params, None if adapters is None else adapters[start:start + largest]):
                 kept = checker.add(new)
                 if kept:
                     yield {start + row: ids for row, ids in kept.items()}
@@ -149,10 +172,37 @@ class Engine:
         rows, n = self._latest
         return rows.logits[:n].clone()
 
-    def swap_adapter(self, adapter) -> None:
-        """Replace the unmerged LoRA adapter by the one saved in the directory `adapter`, in place: the captured
-        steps stay valid (see lorafuse.hf.adapter_swap for what must match)."""
-        adapter_swap.swap_adapter(self.model, adapter)
+    def swap_adapter(self, adapter, name: str | None = None) -> None:
+        """Replace the unmerged LoRA adapter `name` (by default the active one) by the one saved in the directory
+        `adapter`, in place: the captured steps stay valid (see lorafuse.hf.adapter_swap for what must match)."""
+        adapter_swap.swap_adapter(self.model, adapter, name)
+        if self._fused is not None:
+            self._fused.refresh_bank()
+
+    def _adapter_rows(self, prompts: list[list[int]], adapters) -> list[str] | None:
+        """Each prompt's adapter as PEFT names it (an adapter name or "__base__"), or None when every row runs the
+        active adapter (or the model has none): then nothing is routed per row."""
+        if adapters is None:
+            return None
+        if len(adapters) != len(prompts):
+            raise ValueError(f"Engine: {len(adapters)} adapters for {len(prompts)} prompts (one per prompt)")
+        names = self.adapter_names
+        active = getattr(self.model, "active_adapter", None)
+        rows = [active if a is None else a for a in adapters]
+        unknown = sorted({a for a in rows if a not in names and a != "__base__"}, key=str)
+        if unknown:
+            raise ValueError(f"Engine: adapters {unknown} are not among the model's ({', '.join(names) or 'none'}, "
+                             "or '__base__' for none)")
+        if all(a == active for a in rows):
+            return None
+        if not self.mixes_adapters:
+            if self._fused is not None:
+                raise ValueError(f"Engine: the model holds one adapter ({active!r}); load the others into the "
+                                 "PeftModel (load_adapter) before building the Engine to run rows without it")
+            raise ValueError("Engine: rows that do not run the active adapter need the fused decode step (captured "
+                             "graphs of transformers' step run the active adapter), which this engine does not run: "
+                             f"{self.fused_step_reason}")
+        return rows
 
     def _fused_step_reason(self, fused_step: bool | None, stack_adapters: bool) -> str | None:
         """Why the decode step runs transformers' forward, not the fused step (None: it runs fused); logged once when
@@ -173,12 +223,15 @@ class Engine:
             raise ValueError(f"Engine: the longest prompt ({longest} tokens) plus max_new_tokens "
                              f"({params.max_new_tokens}) exceed max_length={self.max_length}")
 
-    def _decode(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[list[int]]]:
+    def _decode(self, prompts: list[list[int]], params: SamplingParams,
+                adapters: list[str] | None) -> Iterator[list[list[int]]]:
         """Yields the tokens each row made since the last yield; stops at max_new_tokens or when closed."""
         rows = self._rows[next(size for size in self.buckets if size >= len(prompts))]
         step = self._stepper(rows, greedy=params.temperature == 0)
         self._latest = (rows, len(prompts))
-        self._prefill(rows, prompts, params)
+        padded = None if adapters is None else adapters + [adapters[0]] * (rows.size - len(adapters))
+        self._select_adapters(rows.size, padded)
+        self._prefill(rows, prompts, params, padded)
         made = seen = 1
         yield rows.out[:len(prompts), :1].tolist()
         while made < params.max_new_tokens:
@@ -188,14 +241,24 @@ class Engine:
             yield rows.out[:len(prompts), seen:made].tolist()  # the host's one read (and wait) per check
             seen = made
 
-    def _prefill(self, rows: _Rows, prompts: list[list[int]], params: SamplingParams) -> None:
-        """One eager forward over the padded prompts; sets every buffer for the first decode step."""
+    def _select_adapters(self, size: int, adapters: list[str] | None) -> None:
+        """Tells the decode step which adapter each of `size` rows runs (None: every row the active one)."""
+        bank = None if self._fused is None else self._fused.bank
+        if bank is not None:
+            rows = adapters or [self.model.active_adapter] * size
+            self._fused.select_adapters([len(bank) if a == "__base__" else bank.index(a) for a in rows])
+        self._step_adapters = adapters  # transformers' step: only without graphs (see _adapter_rows)
+
+    def _prefill(self, rows: _Rows, prompts: list[list[int]], params: SamplingParams,
+                 adapters: list[str] | None) -> None:
+        """One eager forward over the padded prompts (row i with adapters[i], PEFT's per-row routing); sets every
+        buffer for the first decode step."""
         ids, keep = self._left_padded(prompts + [prompts[0]] * (rows.size - len(prompts)))  # [size, T]
         length = ids.shape[1]
         rows.cache.reset()
         with model_kernels.rms_norms_on_kernel(self._norms):
             logits = decoding.next_token_logits(self.model, ids, keep, (keep.cumsum(-1) - 1).clamp(min=0),
-                                                rows.cache)
+                                                rows.cache, adapter_names=adapters)
         rows.logits.copy_(logits)
         rows.mask.zero_()
         rows.mask[:, :length] = keep
@@ -230,6 +293,7 @@ class Engine:
         mask = decoding.decode_mask(self.model, rows.mask)
         with model_kernels.rms_norms_on_kernel(self._norms):
             logits = decoding.next_token_logits(self.model, rows.ids, mask, rows.pos, rows.cache,
+                                                adapter_names=self._step_adapters,
                                                 **decoding.decode_attention_kwargs(self.model, rows.mask))  # [size, V]
         rows.logits.copy_(logits)
 
@@ -268,14 +332,17 @@ class Engine:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
 
-    def _generate_eagerly(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[list[int]]]:
-        """transformers' generate on the whole batch, seeded from params.seed without touching the global RNG."""
+    def _generate_eagerly(self, prompts: list[list[int]], params: SamplingParams,
+                          adapters: list[str] | None) -> Iterator[list[list[int]]]:
+        """transformers' generate on the whole batch (row i with adapters[i]), seeded from params.seed without touching
+        the global RNG."""
         ids, keep = self._left_padded(prompts)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             new = decoding.hf_generate(self.model, ids, keep.long(), max_new_tokens=params.max_new_tokens,
-                                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+                                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                       adapter_names=adapters)
         yield new.tolist()
 
     def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

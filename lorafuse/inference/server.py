@@ -6,6 +6,10 @@ them), GET /v1/models and /health. Each request runs on its own handler thread, 
 queue of events. One batcher thread owns the engine: it takes the waiting requests that share sampling
 settings, up to the engine's largest batch, runs them as one batch, and feeds each request's queue its
 tokens as they come. An engine error fails the requests of that batch with a 500; the server goes on.
+
+A request's "model" picks the LoRA adapter, as vLLM serves its LoRA modules: the server's model_name (or no "model")
+runs the engine's active adapter, an adapter's name that adapter, and GET /v1/models lists them all. Requests for
+different adapters share a batch where the engine runs rows with different adapters (Engine.mixes_adapters).
 """
 import json
 import logging
@@ -37,6 +41,7 @@ class Job:
     """One request on its way through the batcher: its prompt, settings, and the events for its handler."""
     prompt_ids: list[int]
     params: SamplingParams
+    adapter: str | None = None  # None: the engine's active adapter
     events: queue.Queue = field(default_factory=queue.Queue)  # ("tokens", [ids]), ("done", reason), ("error", msg)
 
 
@@ -70,6 +75,18 @@ def sampling_params(body: dict, max_new_tokens: int) -> SamplingParams:
         stop=tuple(stop or ()))
 
 
+def requested_adapter(body: dict, model_name: str, adapters: tuple[str, ...]) -> str | None:
+    """The adapter that a request's "model" names: None for the served model itself (its active adapter)."""
+    model = body.get("model", model_name)
+    if model == model_name or model is None:
+        return None
+    if not isinstance(model, str) or model not in adapters:
+        raise RequestError(f"the model {model!r} does not exist: this server runs {model_name!r}"
+                           + (f" and its adapters {', '.join(map(repr, adapters))}" if adapters else ""),
+                           param="model", status=HTTPStatus.NOT_FOUND)
+    return model
+
+
 def completion_prompt(body: dict, tokenizer) -> list[int]:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -96,7 +113,8 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
 
 class Batcher(threading.Thread):
     """Runs the engine on batches of waiting jobs that share sampling settings (the engine takes one set per
-    batch); jobs with other settings wait for a later batch, in arrival order."""
+    batch), and their adapter unless the engine mixes adapters in a batch; jobs with other settings wait for a later
+    batch, in arrival order."""
 
     def __init__(self, engine, max_batch: int):
         super().__init__(daemon=True, name="lorafuse-batcher")
@@ -110,14 +128,19 @@ class Batcher(threading.Thread):
                 waiting.append(self.jobs.get())
             while not self.jobs.empty():  # everything that arrived while the last batch ran
                 waiting.append(self.jobs.get_nowait())
-            batch = [job for job in waiting if job.params == waiting[0].params][:self.max_batch]
+            batch = [job for job in waiting if self._together(job, waiting[0])][:self.max_batch]
             waiting = [job for job in waiting if job not in batch]
             self._run(batch)
 
+    def _together(self, job: Job, first: Job) -> bool:
+        return job.params == first.params and (job.adapter == first.adapter or self.engine.mixes_adapters)
+
     def _run(self, batch: list[Job]) -> None:
+        adapters = [job.adapter for job in batch]
         try:
             outputs = self.engine.generate([job.prompt_ids for job in batch], batch[0].params,
-                                           on_tokens=lambda row, ids: batch[row].events.put(("tokens", list(ids))))
+                                           on_tokens=lambda row, ids: batch[row].events.put(("tokens", list(ids))),
+                                           adapters=None if not any(adapters) else adapters)
         except Exception as err:  # noqa: BLE001 - whatever broke, the requests get an answer and the server lives
             logger.exception("engine failed on a batch of %d", len(batch))
             for job in batch:
@@ -140,8 +163,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             return self._json(HTTPStatus.OK, {"status": "ok"})
         if self.path == "/v1/models":
-            return self._json(HTTPStatus.OK, {"object": "list", "data": [
-                {"id": self.server.model_name, "object": "model", "owned_by": "lorafuse"}]})
+            served = [{"id": self.server.model_name, "object": "model", "owned_by": "lorafuse"}]
+            served += [{"id": name, "object": "model", "owned_by": "lorafuse", "parent": self.server.model_name}
+                       for name in self.server.adapters]
+            return self._json(HTTPStatus.OK, {"object": "list", "data": served})
         self._error(RequestError(f"no such endpoint: GET {self.path}", status=HTTPStatus.NOT_FOUND))
 
     def do_POST(self):
@@ -150,6 +175,7 @@ class _Handler(BaseHTTPRequestHandler):
             if chat is None:
                 raise RequestError(f"no such endpoint: POST {self.path}", status=HTTPStatus.NOT_FOUND)
             body = self._body()
+            adapter = requested_adapter(body, self.server.model_name, self.server.adapters)
             prompt = (chat_prompt if chat else completion_prompt)(body, self.server.tokenizer)
             params = sampling_params(body, self.server.max_new_tokens)
             if len(prompt) + params.max_new_tokens > self.server.max_length:
@@ -158,9 +184,9 @@ class _Handler(BaseHTTPRequestHandler):
             stream = _field(body, "stream", bool, False)
         except RequestError as err:
             return self._error(err)
-        job = Job(prompt, params)
+        job = Job(prompt, params, adapter)
         self.server.batcher.jobs.put(job)
-        answer = _Answer(chat, self.server.model_name, self.server.tokenizer)
+        answer = _Answer(chat, adapter or self.server.model_name, self.server.tokenizer)
         (self._stream if stream else self._whole)(job, answer)
 
     def _body(self) -> dict:
@@ -267,6 +293,8 @@ class LorafuseServer(ThreadingHTTPServer):
                  max_length: int, max_new_tokens: int, max_batch: int):
         super().__init__((host, port), _Handler)
         self.tokenizer, self.model_name = tokenizer, model_name
+        # the adapters a request may name besides the served model (its active adapter is that model itself)
+        self.adapters = tuple(name for name in engine.adapter_names if len(engine.adapter_names) > 1)
         self.max_length, self.max_new_tokens = max_length, max_new_tokens
         self.batcher = Batcher(engine, max_batch)
         self.batcher.start()

@@ -14,16 +14,21 @@ from lorafuse.inference.server import LorafuseServer
 
 
 class ReversingEngine:
-    """Generates a prompt's tokens in reverse order (at most max_new_tokens), one token per step and call."""
+    """Generates a prompt's tokens in reverse order (at most max_new_tokens), one token per step and call; a row
+    with the adapter "first_only" stops after one token."""
 
-    def __init__(self, fail_on: str | None = None, tokenizer=None):
+    def __init__(self, fail_on: str | None = None, tokenizer=None, adapter_names=(), mixes_adapters=False):
         self.batch_sizes, self.fail_on, self.tokenizer = [], fail_on, tokenizer
+        self.adapter_names, self.mixes_adapters, self.batch_adapters = adapter_names, mixes_adapters, []
 
-    def generate(self, prompts, params, on_tokens=None):
+    def generate(self, prompts, params, on_tokens=None, adapters=None):
         self.batch_sizes.append(len(prompts))
+        self.batch_adapters.append(adapters)
         if self.fail_on and any(self.fail_on in self.tokenizer.decode(p) for p in prompts):
             raise RuntimeError("the engine broke")
-        outputs = [list(reversed(prompt))[:params.max_new_tokens] for prompt in prompts]
+        adapters = adapters or [None] * len(prompts)
+        outputs = [list(reversed(prompt))[:1 if adapter == "first_only" else params.max_new_tokens]
+                   for prompt, adapter in zip(prompts, adapters)]
         for step in range(max(map(len, outputs))):
             time.sleep(0.01)  # slow enough for concurrent requests to queue up behind a running batch
             for row, output in enumerate(outputs):
@@ -37,13 +42,27 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(ASSETS / "tiny-llama")
 
 
-@pytest.fixture
-def server(tokenizer):
-    engine = ReversingEngine(fail_on="BREAK", tokenizer=tokenizer)
+def started(engine, tokenizer):
     server = LorafuseServer(engine, tokenizer, port=0, model_name="tiny", max_length=256, max_new_tokens=64,
                             max_batch=4)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def server(tokenizer):
+    server = started(ReversingEngine(fail_on="BREAK", tokenizer=tokenizer), tokenizer)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(params=[False, True], ids=["separate_batches", "mixed_batches"])
+def adapter_server(request, tokenizer):
+    # an engine holding two adapters (its active one, "default", and "first_only"), mixing them in a batch or not
+    engine = ReversingEngine(tokenizer=tokenizer, adapter_names=("default", "first_only"),
+                             mixes_adapters=request.param)
+    server = started(engine, tokenizer)
     yield server
     server.shutdown()
     server.server_close()
@@ -168,6 +187,52 @@ def test_an_engine_failure_is_a_500_and_the_server_goes_on(server):
     status, data = post(server, "/v1/completions", {"prompt": "BREAK now", "max_tokens": 2})
     assert status == 500 and "the engine broke" in json.loads(data)["error"]["message"]
     assert post(server, "/v1/completions", {"prompt": "fine", "max_tokens": 2})[0] == 200
+
+
+def test_model_names_an_adapter(adapter_server, tokenizer):
+    prompt_ids = tokenizer.encode("hello there")
+    for model, tokens in (("first_only", 1), ("tiny", 3), (None, 3), ("default", 3)):
+        body = {"prompt": "hello there", "max_tokens": 3, **({"model": model} if model else {})}
+        status, data = post(adapter_server, "/v1/completions", body)
+        answer = json.loads(data)
+        assert status == 200 and answer["model"] == (model or "tiny")
+        assert answer["choices"][0]["text"] == expected_text(tokenizer, prompt_ids, tokens)
+    status, data = post(adapter_server, "/v1/completions", {"prompt": "x", "model": "other"})
+    error = json.loads(data)["error"]
+    assert status == 404 and error["param"] == "model" and "'first_only'" in error["message"]
+    connection = http.client.HTTPConnection("127.0.0.1", adapter_server.server_address[1], timeout=10)
+    connection.request("GET", "/v1/models")
+    models = json.loads(connection.getresponse().read())["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("default", "tiny"),
+                                                            ("first_only", "tiny")]
+
+
+def test_concurrent_requests_for_other_adapters_share_a_batch_only_where_the_engine_mixes_them(adapter_server,
+                                                                                              tokenizer):
+    answers = {}
+
+    def ask(i, model):
+        answers[i] = post(adapter_server, "/v1/completions", {"prompt": f"request {i}", "max_tokens": 4,
+                                                              "model": model})
+
+    threads = [threading.Thread(target=ask, args=(i, ["tiny", "first_only"][i % 2])) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i in range(8):
+        status, data = answers[i]
+        tokens = 1 if i % 2 else 4
+        assert status == 200
+        assert json.loads(data)["choices"][0]["text"] == expected_text(tokenizer, tokenizer.encode(f"request {i}"),
+                                                                       tokens)
+    engine = adapter_server.batcher.engine
+    mixed = [set(adapters) for adapters in engine.batch_adapters if adapters and len(set(adapters)) > 1]
+    assert sum(engine.batch_sizes) == 8
+    if engine.mixes_adapters:  # 7 requests queue up behind the first batch: the next batches hold both adapters
+        assert mixed
+    else:
+        assert not mixed
 
 
 def test_models_and_health(server):

@@ -1,5 +1,6 @@
 """recipes/generate.py and recipes/serve.py as users run them: greedy text equal to transformers' generate with
-the same adapter, and a server on 127.0.0.1 answering concurrent clients and refusing malformed requests."""
+the same adapter, and a server on 127.0.0.1 (serving a second adapter beside the first) answering concurrent clients,
+with the adapter each names, and refusing malformed requests."""
 import http.client
 import json
 import socket
@@ -21,19 +22,28 @@ TINY = ASSETS / "tiny-llama"
 PROMPTS = ["Reverse the letters of: zorbal", "What is 12 plus 30?", "Count the letters in quenbit."]
 
 
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
+def saved_adapter(directory, seed: int, **config):
     """A LoRA adapter on the tiny Llama with clearly non-zero weights (PEFT starts lora_B at zero), saved."""
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    generator = torch.Generator().manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY), LoraConfig(**config))
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    path = tmp_path_factory.mktemp("adapter")
-    model.save_pretrained(path)
-    return path
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    return saved_adapter(tmp_path_factory.mktemp("adapter"), 0, r=4, lora_alpha=8,
+                         target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def second_adapter(tmp_path_factory):
+    return saved_adapter(tmp_path_factory.mktemp("second"), 1, r=8, lora_alpha=4,
+                         target_modules=["k_proj", "o_proj", "up_proj"])
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +101,11 @@ def request(port, method, path, body=None, raw=None):
 
 
 @pytest.fixture(scope="module")
-def server(adapter, tmp_path_factory):
+def server(adapter, second_adapter, tmp_path_factory):
     port = free_port()
     process = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "serve.py"), f"port={port}",
-                                f"model.adapter={adapter}", "model_name=tiny-lora"], env=recipe_env(),
+                                f"model.adapter={adapter}", f"+model.adapters.second={second_adapter}",
+                                "model_name=tiny-lora"], env=recipe_env(),
                                cwd=tmp_path_factory.mktemp("serve"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
@@ -134,11 +145,23 @@ def test_the_server_answers_concurrent_clients_as_transformers_would(server, ada
         assert status == 200 and "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text
 
 
+def test_a_request_names_the_second_adapter(server, second_adapter, tokenizer):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    status, data = request(server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 10,
+                                                                    "temperature": 0, "model": "second"})
+    answer = json.loads(data)
+    assert status == 200 and answer["model"] == "second"
+    assert answer["choices"][0]["message"]["content"] == hf_greedy_text(second_adapter, tokenizer, [messages], 10)[0]
+    status, data = request(server, "GET", "/v1/models")
+    assert [m["id"] for m in json.loads(data)["data"]] == ["tiny-lora", "default", "second"]
+
+
 @pytest.mark.parametrize("path,body,raw,status", [
     ("/v1/chat/completions", None, b"{oops", 400),
     ("/v1/chat/completions", {"messages": "hello"}, None, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, None, 400),
     ("/v1/nothing", {"prompt": "x"}, None, 404),
+    ("/v1/completions", {"prompt": "x", "model": "third"}, None, 404),
 ])
 def test_the_server_refuses_malformed_requests_and_stays_up(server, path, body, raw, status):
     got, data = request(server, "POST", path, body, raw)
