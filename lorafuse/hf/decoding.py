@@ -17,6 +17,7 @@ from . import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ATTENTION = ("sdpa", "eager", "lorafuse")  # those that take decode_mask's 4-D masks
+BASE = "__base__"  # PEFT's adapter_names entry for a row without an adapter
 
 
 def causal_lm(model: torch.nn.Module) -> PreTrainedModel:
@@ -139,6 +140,11 @@ def adapter_bank(model: torch.nn.Module) -> tuple[str, ...] | None:
         return None
     names = tuple(name for name, config in model.peft_config.items() if config.peft_type == PeftType.LORA)
     return names if len(names) > 1 else None
+
+
+def active_adapter(model: torch.nn.Module) -> str:
+    """The adapter a PeftModel runs by default, or "__base__" (PEFT's name for none) for a model without one."""
+    return model.active_adapter if isinstance(model, PeftModel) else BASE
 
 
 def adapter_names(model: torch.nn.Module) -> tuple[str, ...]:

@@ -80,6 +80,33 @@ def stack_rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Te
     return list(both.split([t.shape[0] for t in tensors]))
 
 
+def side_by_side(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The [N, sum of columns] view over `tensors` when they are column blocks of one buffer, one after another
+    (an adapter bank's lora_B), else None."""
+    # tensors: [N, r_i], one dtype
+    first, rows = tensors[0], tensors[0].shape[0]
+    width = sum(t.shape[1] for t in tensors)
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.dtype != first.dtype or t.device != first.device or t.shape[0] != rows or t.stride(1) != 1 or \
+                (rows > 1 and t.stride(0) != width):
+            return None
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.shape[1]
+    return first.as_strided((rows, width), (width, 1))
+
+
+def lay_side_by_side(params: list[nn.Parameter]) -> torch.Tensor:
+    """Moves `params` ([N, r_i]) into one [N, sum r_i] buffer, each re-pointed to its column block; returns it."""
+    both = torch.cat([p.detach() for p in params], 1)
+    start = 0
+    for param in params:
+        param.data = both[:, start:start + param.shape[1]]
+        start += param.shape[1]
+    return both
+
+
 def shares_buffer(weight: torch.Tensor) -> bool:
     """Whether `weight` is a view into a larger buffer: laid out for decoding by an engine (stack_rows), whose
     captured steps hold the buffer's address, so it must not be moved again."""
@@ -216,7 +243,15 @@ def _stacked_tensors(modules: list[nn.Module], bank: tuple[str, ...] | None) -> 
 def _moved_by_another_layout(modules: list[nn.Module], captured: bool, bank: tuple[str, ...] | None) -> bool:
     # laying these out would move weights that another layout, or another engine's graphs, hold where they are
     tensors = _stacked_tensors(modules, bank)
-    return stacked_rows(tensors) is None and (captured or any(map(shares_buffer, tensors)))
+    if stacked_rows(tensors) is None and (captured or any(map(shares_buffer, tensors))):
+        return True
+    if bank is None:
+        return False
+    for module in modules:  # a bank also lays each projection's lora_B side by side
+        bs = [a[1] for a in _adapters(module, bank).values()]
+        if len(bs) > 1 and side_by_side(bs) is None and (captured or any(map(shares_buffer, bs))):
+            return True
+    return False
 
 
 class StackedLinear:
@@ -225,9 +260,10 @@ class StackedLinear:
     after the GEMM adds scale * s B^T (`lora_B`, `scales`: per projection, None / 0 without an adapter), and the bias
     where the input comes with a deferred norm (which scales the rows first; bias_in_gemm False).
 
-    With an adapter bank each projection's s is its adapters' shrinks side by side, `lora_B` a copy of their B side
-    by side (`refresh_bank` copies them again after a swap), and `table` [len(bank) + 1, ranks] holds the per-row
-    scales of the s columns for each choice of adapter (the last: none); FusedDecoder sets `row_scales`."""
+    With an adapter bank each projection's s is its adapters' shrinks side by side, `lora_B` their B side by side
+    in one buffer (PEFT's lora_B parameters re-pointed to its column blocks, as lora_A to the GEMM's rows), and
+    `table` [len(bank) + 1, ranks] holds the per-row scales of the s columns for each choice of adapter (the last:
+    none); FusedDecoder sets `row_scales`."""
 
     def __init__(self, modules: list[nn.Module], bank: tuple[str, ...] | None = None):
         tensors = _stacked_tensors(modules, bank)
@@ -241,10 +277,9 @@ class StackedLinear:
         if bank is None:
             self.lora_B = tuple(next((a[1] for a in found.values()), None) for found in adapters)
             self.scales = tuple(next((a[2] for a in found.values()), 0.0) for found in adapters)
-            self.table, self._bank_sources = None, []
+            self.table = None
         else:
-            self._bank_sources = [[a[1] for a in found.values()] for found in adapters]  # PEFT's lora_B, in order
-            self.lora_B = tuple(torch.cat(bs, 1) if bs else None for bs in self._bank_sources)
+            self.lora_B = tuple(self._bank_b([a[1] for a in found.values()]) for found in adapters)
             self.scales = tuple(0.0 for _ in modules)  # the row scales stand in for them
             self.table = self._scale_table(adapters, bank)
         self.bias = self._stacked_bias([m.get_base_layer() if type(m) in LORA_LINEARS else m for m in modules])
@@ -260,11 +295,12 @@ class StackedLinear:
             table[bank.index(name), j] = scale
         return table
 
-    def refresh_bank(self) -> None:
-        """Copy the bank's lora_B again from PEFT's parameters (after a swap wrote into them)."""
-        for bank_b, sources in zip(self.lora_B, self._bank_sources):
-            if sources:
-                bank_b.copy_(torch.cat(sources, 1))
+    @staticmethod
+    def _bank_b(params: list[nn.Parameter]) -> torch.Tensor | None:
+        # [N, sum r] over the adapters' lora_B of one projection, laid out once (a later engine finds it so)
+        if not params:
+            return None
+        return side_by_side(params) if side_by_side(params) is not None else lay_side_by_side(params)
 
     def row_scales_of(self, rows: int) -> torch.Tensor | None:
         return None if self.row_scales is None else self.row_scales[:rows]
@@ -382,12 +418,6 @@ class FusedDecoder:
         if self._row_scales is not None:
             index = torch.tensor(choices, device=self._table.device)
             self._row_scales[:len(choices)].copy_(self._table[index])
-
-    def refresh_bank(self) -> None:
-        """After a swap into one of the bank's adapters: the stacked GEMMs read lora_A in place, lora_B is copied."""
-        for layer in self.layers:
-            for gemm in layer.gemms:
-                gemm.refresh_bank()
 
     @torch.no_grad()
     def __call__(self, ids, positions, slot, keep, cache, logits) -> None:

@@ -106,8 +106,9 @@ def load_adapter(model: PreTrainedModel, adapter: str | os.PathLike, attention: 
     check_exists(str(adapter))
     peft_model = peft.PeftModel.from_pretrained(model, adapter)
     for name, directory in (others or {}).items():
-        if name in peft_model.peft_config:
-            raise ModelLoadError(f"model.adapters: the name {name!r} is taken (by model.adapter); pick another")
+        if name in peft_model.peft_config or name == "__base__":
+            raise ModelLoadError(f"model.adapters: the name {name!r} is taken (by model.adapter, or PEFT's name for "
+                                 "no adapter); pick another")
         check_exists(str(directory))
         peft_model.load_adapter(directory, adapter_name=name)
     return fuse(peft_model, attention=attention)

@@ -26,6 +26,9 @@ def build_engine(model_cfg: InferenceModelConfig, engine_cfg: EngineConfig):
     engine = Engine(model.to(device), tokenizer, max_length=engine_cfg.max_length, buckets=engine_cfg.buckets,
                     check_every=engine_cfg.check_every, merge=model_cfg.merge and model_cfg.adapter is not None,
                     cuda_graphs=engine_cfg.cuda_graphs)
+    if model_cfg.adapters and not engine.mixes_adapters:
+        raise ValueError(f"model.adapters={dict(model_cfg.adapters)}: this engine cannot run other adapters than the "
+                         f"active one (it needs the fused decode step, which declined: {engine.fused_step_reason})")
     return engine, tokenizer
 
 

@@ -176,8 +176,6 @@ class Engine:
         """Replace the unmerged LoRA adapter `name` (by default the active one) by the one saved in the directory
         `adapter`, in place: the captured steps stay valid (see lorafuse.hf.adapter_swap for what must match)."""
         adapter_swap.swap_adapter(self.model, adapter, name)
-        if self._fused is not None:
-            self._fused.refresh_bank()
 
     def _adapter_rows(self, prompts: list[list[int]], adapters) -> list[str] | None:
         """Each prompt's adapter as PEFT names it (an adapter name or "__base__"), or None when every row runs the
@@ -186,19 +184,19 @@ class Engine:
             return None
         if len(adapters) != len(prompts):
             raise ValueError(f"Engine: {len(adapters)} adapters for {len(prompts)} prompts (one per prompt)")
-        names = self.adapter_names
-        active = getattr(self.model, "active_adapter", None)
+        names, active = self.adapter_names, decoding.active_adapter(self.model)
         rows = [active if a is None else a for a in adapters]
-        unknown = sorted({a for a in rows if a not in names and a != "__base__"}, key=str)
+        unknown = sorted({a for a in rows if a not in names and a != decoding.BASE}, key=str)
         if unknown:
             raise ValueError(f"Engine: adapters {unknown} are not among the model's ({', '.join(names) or 'none'}, "
-                             "or '__base__' for none)")
+                             f"or {decoding.BASE!r} for none)")
         if all(a == active for a in rows):
             return None
         if not self.mixes_adapters:
             if self._fused is not None:
-                raise ValueError(f"Engine: the model holds one adapter ({active!r}); load the others into the "
-                                 "PeftModel (load_adapter) before building the Engine to run rows without it")
+                raise ValueError(f"Engine: rows without the model's only adapter ({active!r}) run in the fused step "
+                                 "only beside other adapters: load one more into the PeftModel (load_adapter) before "
+                                 "building the Engine, or build it with fused_step=False")
             raise ValueError("Engine: rows that do not run the active adapter need the fused decode step (captured "
                              "graphs of transformers' step run the active adapter), which this engine does not run: "
                              f"{self.fused_step_reason}")
@@ -245,8 +243,8 @@ class Engine:
         """Tells the decode step which adapter each of `size` rows runs (None: every row the active one)."""
         bank = None if self._fused is None else self._fused.bank
         if bank is not None:
-            rows = adapters or [self.model.active_adapter] * size
-            self._fused.select_adapters([len(bank) if a == "__base__" else bank.index(a) for a in rows])
+            rows = adapters or [decoding.active_adapter(self.model)] * size
+            self._fused.select_adapters([len(bank) if a == decoding.BASE else bank.index(a) for a in rows])
         self._step_adapters = adapters  # transformers' step: only without graphs (see _adapter_rows)
 
     def _prefill(self, rows: _Rows, prompts: list[list[int]], params: SamplingParams,

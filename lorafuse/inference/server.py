@@ -8,8 +8,8 @@ settings, up to the engine's largest batch, runs them as one batch, and feeds ea
 tokens as they come. An engine error fails the requests of that batch with a 500; the server goes on.
 
 A request's "model" picks the LoRA adapter, as vLLM serves its LoRA modules: the server's model_name (or no "model")
-runs the engine's active adapter, an adapter's name that adapter, and GET /v1/models lists them all. Requests for
-different adapters share a batch where the engine runs rows with different adapters (Engine.mixes_adapters).
+runs the engine's active adapter, an adapter's name that adapter, and GET /v1/models lists them all. Adapters are
+offered only where the engine runs rows with different adapters in one batch (Engine.mixes_adapters).
 """
 import json
 import logging
@@ -76,11 +76,14 @@ def sampling_params(body: dict, max_new_tokens: int) -> SamplingParams:
 
 
 def requested_adapter(body: dict, model_name: str, adapters: tuple[str, ...]) -> str | None:
-    """The adapter that a request's "model" names: None for the served model itself (its active adapter)."""
+    """The adapter that a request's "model" names: None for the served model itself (its active adapter). Without
+    adapters to pick from the field is not checked, as OpenAI clients may send a placeholder."""
     model = body.get("model", model_name)
-    if model == model_name or model is None:
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"'model' must be a string, got {model!r}", param="model")
+    if model == model_name or model is None or not adapters:
         return None
-    if not isinstance(model, str) or model not in adapters:
+    if model not in adapters:
         raise RequestError(f"the model {model!r} does not exist: this server runs {model_name!r}"
                            + (f" and its adapters {', '.join(map(repr, adapters))}" if adapters else ""),
                            param="model", status=HTTPStatus.NOT_FOUND)
@@ -113,8 +116,8 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
 
 class Batcher(threading.Thread):
     """Runs the engine on batches of waiting jobs that share sampling settings (the engine takes one set per
-    batch), and their adapter unless the engine mixes adapters in a batch; jobs with other settings wait for a later
-    batch, in arrival order."""
+    batch; adapters may differ: the server offers them only where the engine mixes them); jobs with other settings
+    wait for a later batch, in arrival order."""
 
     def __init__(self, engine, max_batch: int):
         super().__init__(daemon=True, name="lorafuse-batcher")
@@ -128,12 +131,9 @@ class Batcher(threading.Thread):
                 waiting.append(self.jobs.get())
             while not self.jobs.empty():  # everything that arrived while the last batch ran
                 waiting.append(self.jobs.get_nowait())
-            batch = [job for job in waiting if self._together(job, waiting[0])][:self.max_batch]
+            batch = [job for job in waiting if job.params == waiting[0].params][:self.max_batch]
             waiting = [job for job in waiting if job not in batch]
             self._run(batch)
-
-    def _together(self, job: Job, first: Job) -> bool:
-        return job.params == first.params and (job.adapter == first.adapter or self.engine.mixes_adapters)
 
     def _run(self, batch: list[Job]) -> None:
         adapters = [job.adapter for job in batch]
@@ -293,8 +293,12 @@ class LorafuseServer(ThreadingHTTPServer):
                  max_length: int, max_new_tokens: int, max_batch: int):
         super().__init__((host, port), _Handler)
         self.tokenizer, self.model_name = tokenizer, model_name
-        # the adapters a request may name besides the served model (its active adapter is that model itself)
-        self.adapters = tuple(name for name in engine.adapter_names if len(engine.adapter_names) > 1)
+        # the adapters a request may name besides the served model (its active adapter is that model itself): only
+        # where the engine runs them side by side in a batch
+        self.adapters = engine.adapter_names if len(engine.adapter_names) > 1 and engine.mixes_adapters else ()
+        if len(engine.adapter_names) > 1 and not engine.mixes_adapters:
+            logger.warning("the engine cannot run rows with other adapters than its active one (see "
+                           "Engine.mixes_adapters): every request runs the active adapter")
         self.max_length, self.max_new_tokens = max_length, max_new_tokens
         self.batcher = Batcher(engine, max_batch)
         self.batcher.start()

@@ -63,6 +63,24 @@ def test_swap_into_an_adapter_of_the_bank(tmp_path):
     torch.testing.assert_close(fused.last_logits(), stepped.last_logits(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_swap_reaches_a_second_engine_on_the_model(tmp_path):
+    # the bank's lora_B are PEFT's own parameters (column blocks of one buffer), not copies: a swap through one
+    # engine, or adapter_swap directly, reaches every engine on the model
+    donor = bank_model()
+    with torch.no_grad():
+        for name, param in donor.named_parameters():
+            if "lora_" in name and ".second." in name:
+                param.normal_(0.0, 0.3)
+    donor.save_pretrained(tmp_path, selected_adapters=["second"])
+    model = bank_model()
+    first, stepped = engines(model)
+    second = Engine(model, max_length=16, buckets=(4,), check_every=2, fused_step=True)
+    first.swap_adapter(tmp_path / "second", name="second")
+    params = SamplingParams(max_new_tokens=NEW)
+    assert second.generate(PROMPTS, params, adapters=ROWS) == stepped.generate(PROMPTS, params, adapters=ROWS)
+    torch.testing.assert_close(second.last_logits(), stepped.last_logits(), rtol=1e-5, atol=1e-5)
+
+
 def test_names_that_do_not_fit_are_refused():
     fused, _ = engines(bank_model())
     with pytest.raises(ValueError, match=r"\['third'\] are not among the model's \(first, second"):
@@ -71,6 +89,10 @@ def test_names_that_do_not_fit_are_refused():
         fused.generate(PROMPTS, SamplingParams(max_new_tokens=1), adapters=["first", None])
     single = get_peft_model(tiny_model("llama").eval(), lora_config("llama")).eval()
     one = Engine(single, max_length=16, buckets=(4,), fused_step=True)
-    with pytest.raises(ValueError, match="holds one adapter"):
+    with pytest.raises(ValueError, match="only adapter"):
         one.generate(PROMPTS, SamplingParams(max_new_tokens=1), adapters=["__base__", None, None])
     assert one.generate(PROMPTS, SamplingParams(max_new_tokens=1), adapters=["default"] * 3)  # its own: fine
+    plain = Engine(tiny_model("llama").eval(), max_length=16, buckets=(4,), fused_step=True)
+    assert plain.generate(PROMPTS, SamplingParams(max_new_tokens=1), adapters=["__base__"] * 3)  # it is the base
+    with pytest.raises(ValueError, match="not among the model's \\(none"):
+        plain.generate(PROMPTS, SamplingParams(max_new_tokens=1), adapters=["first", None, None])

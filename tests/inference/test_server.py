@@ -57,11 +57,10 @@ def server(tokenizer):
     server.server_close()
 
 
-@pytest.fixture(params=[False, True], ids=["separate_batches", "mixed_batches"])
-def adapter_server(request, tokenizer):
-    # an engine holding two adapters (its active one, "default", and "first_only"), mixing them in a batch or not
-    engine = ReversingEngine(tokenizer=tokenizer, adapter_names=("default", "first_only"),
-                             mixes_adapters=request.param)
+@pytest.fixture
+def adapter_server(tokenizer):
+    # an engine holding two adapters (its active one, "default", and "first_only") that it mixes in a batch
+    engine = ReversingEngine(tokenizer=tokenizer, adapter_names=("default", "first_only"), mixes_adapters=True)
     server = started(engine, tokenizer)
     yield server
     server.shutdown()
@@ -207,8 +206,24 @@ def test_model_names_an_adapter(adapter_server, tokenizer):
                                                             ("first_only", "tiny")]
 
 
-def test_concurrent_requests_for_other_adapters_share_a_batch_only_where_the_engine_mixes_them(adapter_server,
-                                                                                              tokenizer):
+def test_a_non_string_model_is_a_400_and_any_model_is_taken_where_no_adapters_are_offered(adapter_server, tokenizer):
+    status, data = post(adapter_server, "/v1/completions", {"prompt": "x", "model": 3})
+    assert status == 400 and json.loads(data)["error"]["param"] == "model"
+    # an engine with two adapters that it cannot mix offers none: requests run its active adapter, whatever "model"
+    engine = ReversingEngine(tokenizer=tokenizer, adapter_names=("default", "first_only"), mixes_adapters=False)
+    server = started(engine, tokenizer)
+    try:
+        status, data = post(server, "/v1/completions", {"prompt": "hello there", "max_tokens": 3,
+                                                        "model": "first_only"})
+        assert status == 200
+        assert json.loads(data)["choices"][0]["text"] == expected_text(tokenizer, tokenizer.encode("hello there"), 3)
+        assert engine.batch_adapters == [None]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_concurrent_requests_for_other_adapters_share_a_batch(adapter_server, tokenizer):
     answers = {}
 
     def ask(i, model):
@@ -228,11 +243,7 @@ def test_concurrent_requests_for_other_adapters_share_a_batch_only_where_the_eng
                                                                        tokens)
     engine = adapter_server.batcher.engine
     mixed = [set(adapters) for adapters in engine.batch_adapters if adapters and len(set(adapters)) > 1]
-    assert sum(engine.batch_sizes) == 8
-    if engine.mixes_adapters:  # 7 requests queue up behind the first batch: the next batches hold both adapters
-        assert mixed
-    else:
-        assert not mixed
+    assert sum(engine.batch_sizes) == 8 and mixed  # 7 requests queue up behind the first batch, both adapters
 
 
 def test_models_and_health(server):
