@@ -53,6 +53,9 @@ DECODER_LAYERS = (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwe
 ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
 LORA_LINEARS = (lora.Linear, FusedLoraLinear)  # FusedLoraLinear changes PEFT's forward only
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The kernels after the GEMMs hold a [columns, ranks] tile of B: a bank's ranks on one projection add up, and past
+# the largest single adapter rank these kernels were written for their tiles would spill (not measured: declined).
+MAX_BANK_RANK = 64
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
           ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))  # the projections of each GEMM
 
@@ -210,6 +213,10 @@ def _projection_reason(module: nn.Module, dtype: torch.dtype, bank: tuple[str, .
         return None
     if module.merged or module.disable_adapters:
         return "adapters merged into the weights, or disabled, on an unmerged model"
+    ranks = sum(module.lora_A[adapter].weight.shape[0] for adapter in _adapter_names(module, bank))
+    if bank is not None and ranks > MAX_BANK_RANK:
+        return (f"the bank's adapters on it add up to rank {ranks} > {MAX_BANK_RANK} (the decode kernels hold "
+                "[columns, ranks] tiles of lora_B)")
     for adapter in _adapter_names(module, bank):
         if adapter in module.lora_variant or module.use_dora.get(adapter):
             return f"a DoRA adapter {adapter!r} (a LoRA variant)"

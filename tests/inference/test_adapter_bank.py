@@ -96,3 +96,12 @@ def test_names_that_do_not_fit_are_refused():
     assert plain.generate(PROMPTS, SamplingParams(max_new_tokens=1), adapters=["__base__"] * 3)  # it is the base
     with pytest.raises(ValueError, match="not among the model's \\(none"):
         plain.generate(PROMPTS, SamplingParams(max_new_tokens=1), adapters=["first", None, None])
+
+
+def test_a_bank_too_wide_for_the_kernels_is_declined(fallback_log):
+    # ranks 48 + 32 on the same projections: the fused step declines, saying why; transformers' step runs
+    model = get_peft_model(tiny_model("llama").eval(), lora_config("llama", r=48), adapter_name="first")
+    model.add_adapter("second", lora_config("llama", r=32))
+    engine = Engine(model.eval(), max_length=16, buckets=(4,), fused_step=True)
+    assert "add up to rank 80 > 64" in engine.fused_step_reason and engine.mixes_adapters  # eager: PEFT routes rows
+    assert any("add up to rank 80" in record.getMessage() for record in fallback_log.records)
