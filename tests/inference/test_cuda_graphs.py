@@ -1,6 +1,7 @@
 """Captured decoding on a GPU: for every bucket, replaying the captured decode steps gives the tokens and the logits
 of the same engine stepping eagerly (greedy and seeded sampling), with the adapter unmerged - before and after
-swapping it in place - and merged; nothing falls back from lorafuse's kernels during capture.
+swapping it in place - and merged, and with rows of one batch on different adapters (an adapter bank); nothing falls
+back from lorafuse's kernels during capture.
 
 Needs CUDA; on the GPU machine run it with the kernels compiled (not interpreted):
     TRITON_INTERPRET=0 python -m pytest -q tests/inference/test_cuda_graphs.py
@@ -43,12 +44,15 @@ def prompts_for(size: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, 500, (int(n),), generator=generator).tolist() for n in lengths]
 
 
-def assert_replay_equals_eager(graphs: Engine, eager: Engine, params: SamplingParams, dtype, seed: int):
+def assert_replay_equals_eager(graphs: Engine, eager: Engine, params: SamplingParams, dtype, seed: int,
+                               names: tuple[str, ...] | None = None):
+    # names: the rows' adapters in turn (an adapter bank), or None: every row the active adapter
     for size in graphs.buckets:
         for rows in sorted({size, max(1, size - 1)}):  # a full bucket, and one padded with a dummy row
             prompts = prompts_for(rows, seed + 100 * size + rows)
-            replayed = graphs.generate(prompts, params)
-            stepped = eager.generate(prompts, params)
+            adapters = None if names is None else [names[(i + size) % len(names)] for i in range(rows)]
+            replayed = graphs.generate(prompts, params, adapters=adapters)
+            stepped = eager.generate(prompts, params, adapters=adapters)
             assert replayed == stepped, f"bucket {size}, {rows} rows"
             torch.testing.assert_close(graphs.last_logits(), eager.last_logits(), **LOGITS_TOLERANCE[dtype],
                                        msg=lambda m: f"bucket {size}, {rows} rows: {m}")
@@ -79,6 +83,19 @@ def test_seeded_sampling_replay_equals_eager(adapters):
     assert_replay_equals_eager(graphs, eager, params, torch.bfloat16, seed=2)
     other_seed = graphs.generate(prompts_for(8, 0), dataclasses.replace(params, seed=8))
     assert other_seed != graphs.generate(prompts_for(8, 0), params)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_replay_equals_eager_with_rows_on_different_adapters(adapters, dtype):
+    model = fused_model(adapters, dtype)
+    model.load_adapter(adapters / "B", adapter_name="second")
+    graphs = Engine(model, max_length=MAX_LENGTH, buckets=(1, 4, 8))
+    eager = Engine(model, max_length=MAX_LENGTH, buckets=(1, 4, 8), cuda_graphs=False)
+    assert graphs.fused_step_reason is None and graphs.mixes_adapters
+    greedy = SamplingParams(max_new_tokens=NEW)
+    assert_replay_equals_eager(graphs, eager, greedy, dtype, seed=4, names=("default", "second", "__base__"))
+    mixed = graphs.generate(prompts_for(3, 0), greedy, adapters=["default", "second", "__base__"])
+    assert mixed != graphs.generate(prompts_for(3, 0), greedy)  # the rows' choices reach the captured steps
 
 
 def test_merged_replay_equals_eager(adapters):
