@@ -4,6 +4,8 @@
     python recipes/generate.py model.adapter=runs/<run>/adapter prompts='["What is 12 plus 30?"]'
     python recipes/generate.py model.name_or_path=meta-llama/Llama-3.2-1B prompts_file=prompts.txt \\
         chat=false sampling.temperature=0.7 sampling.top_p=0.9 sampling.seed=0 output=completions.jsonl
+    python recipes/generate.py model.adapter=runs/a/adapter +model.adapters.b=runs/b/adapter prompts_file=p.jsonl
+        # p.jsonl: {"prompt": "...", "adapter": "b"} per line ("__base__": no adapter); one batch, rows on both
 
 One prompt streams its text as it comes; several print their completions when all are done. Config: conf/generate.yaml.
 """
@@ -27,7 +29,7 @@ logger = logging.getLogger("lorafuse.generate")
 def main(cfg: DictConfig) -> None:
     cfg = OmegaConf.to_object(cfg)
     try:
-        prompts = read_prompts(cfg.prompts, cfg.prompts_file)
+        prompts, adapters = read_prompts(cfg.prompts, cfg.prompts_file)
         engine, tokenizer = build_engine(cfg.model, cfg.engine)
         ids = [encode_prompt(tokenizer, prompt, cfg.chat) for prompt in prompts]
         params = sampling_params(cfg.sampling)
@@ -41,7 +43,12 @@ def main(cfg: DictConfig) -> None:
         sys.stdout.flush()
         streamed.extend(new)
 
-    outputs = engine.generate(ids, params, on_tokens=stream if len(prompts) == 1 else None)
+    try:
+        outputs = engine.generate(ids, params, on_tokens=stream if len(prompts) == 1 else None,
+                                  adapters=adapters if any(adapters) else None)
+    except ValueError as err:  # an adapter name the model does not hold
+        logger.error("%s: %s", type(err).__name__, err)
+        raise SystemExit(2) from None
     completions = [tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
     if len(prompts) == 1:
         print()
@@ -50,8 +57,9 @@ def main(cfg: DictConfig) -> None:
             print(f"[{number}] {prompt}\n    -> {completion}")
     if cfg.output is not None:
         with open(cfg.output, "w") as handle:
-            for prompt, completion in zip(prompts, completions):
-                handle.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+            for prompt, adapter, completion in zip(prompts, adapters, completions):
+                row = {"prompt": prompt, **({"adapter": adapter} if adapter else {}), "completion": completion}
+                handle.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

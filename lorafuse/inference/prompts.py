@@ -27,9 +27,11 @@ def new_text(tokenizer, before: list[int], new: list[int]) -> str:
     return tokenizer.decode(before + new, skip_special_tokens=True)[len(previous):]
 
 
-def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
-    """`prompts`, then those of `prompts_file`: a line each (.txt), or each line's "prompt" field (.jsonl)."""
+def read_prompts(prompts: list[str], prompts_file: str | None) -> tuple[list[str], list[str | None]]:
+    """(`prompts`, then those of `prompts_file`: a line each (.txt), or each line's "prompt" field (.jsonl); each
+    prompt's adapter: a .jsonl line's optional "adapter" field, else None, the model's active adapter)."""
     found = list(prompts)
+    adapters: list[str | None] = [None] * len(found)
     if prompts_file is not None:
         path = Path(prompts_file).expanduser()
         if not path.is_file():
@@ -40,9 +42,14 @@ def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
                 row = json.loads(line)
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                     raise PromptError(f"{prompts_file}:{number}: each line needs a \"prompt\" string, got {line:.80}")
+                if not isinstance(row.get("adapter", ""), str):
+                    raise PromptError(f"{prompts_file}:{number}: \"adapter\" must be an adapter's name, got "
+                                      f"{row['adapter']!r}")
                 found.append(row["prompt"])
+                adapters.append(row.get("adapter"))
         else:
             found += lines
+            adapters += [None] * len(lines)
     if not found:
         raise PromptError("no prompts: give prompts='[\"...\"]' or prompts_file=<file>")
-    return found
+    return found, adapters

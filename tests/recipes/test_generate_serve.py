@@ -78,6 +78,23 @@ def test_generate_matches_transformers_greedy_with_the_adapter(tmp_path, adapter
     assert list(tmp_path.iterdir()) == [output]  # no Hydra run directory, no log file
 
 
+def test_generate_runs_each_prompt_with_the_adapter_its_line_names(tmp_path, adapter, second_adapter, tokenizer):
+    lines = [{"prompt": PROMPTS[0], "adapter": "second"}, {"prompt": PROMPTS[1]}, {"prompt": PROMPTS[2],
+                                                                                   "adapter": "default"}]
+    prompts_file, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    subprocess.run([sys.executable, str(ROOT / "recipes" / "generate.py"), "prompts=[]",
+                    f"prompts_file={prompts_file}", f"model.adapter={adapter}",
+                    f"+model.adapters.second={second_adapter}", "sampling.max_new_tokens=12", f"output={output}"],
+                   env=recipe_env(), cwd=tmp_path, check=True, capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    expected = [hf_greedy_text(second_adapter, tokenizer, chats[:1], 12)[0],
+                *hf_greedy_text(adapter, tokenizer, chats[1:], 12)]
+    assert [row["completion"] for row in rows] == expected
+    assert [row.get("adapter") for row in rows] == ["second", None, "default"]
+
+
 def test_generate_refuses_a_missing_prompts_file(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "recipes" / "generate.py"), "prompts=[]",
                           "prompts_file=missing.txt"], env=recipe_env(), cwd=tmp_path, capture_output=True,
