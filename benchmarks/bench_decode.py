@@ -2,7 +2,7 @@
 with the LoRA adapter merged and unmerged, beside the GPU's copy bandwidth (batch-1 decoding reads every weight per
 token).
 
-    python benchmarks/bench_decode.py [--quick] [--shapes 1B,8B] [--profile] [--hf-step] [--out DIR]
+    python benchmarks/bench_decode.py [--quick] [--shapes 1B,8B] [--profile] [--hf-step] [--bank N] [--out DIR]
 
 Models: Llama shapes with random bf16 weights built from a config (no download), attn_implementation "sdpa" for
 transformers and "lorafuse" for lorafuse; a LoRA adapter r=16 on all linear layers with B drawn N(0, 0.02) so that
@@ -18,6 +18,8 @@ Providers:
   lorafuse_unmerged   Engine(merge=False): the unmerged adapter inside the fused step's kernels, same graphs
   lorafuse_*_hf_step  (--hf-step) the same with Engine(fused_step=False): transformers' forward as the decode step,
                       fused LoRA layers on the unmerged adapter (each on a model of its own: two more in memory)
+  lorafuse_bankN      (--bank N) N adapters of the same shape in one PeftModel (an adapter bank), the rows of each
+                      batch on the adapters in turn (batch 1: the first): the cost of serving several at once
   copy                a 2 GiB device-to-device copy (read + write bytes per second): the bandwidth yardstick
 
 Per decode step: (time of G new tokens - time of 1 new token) / (G - 1), so the prefill is left out; each the
@@ -64,10 +66,14 @@ def base_model(shape: str):
     return model.eval()
 
 
-def lora_model(shape: str):
-    """base_model(shape) with a LoRA adapter (r=16, all linear layers, non-zero B), fused: lorafuse's LoRA layers
-    and attention."""
-    peft_model = get_peft_model(base_model(shape), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+def lora_model(shape: str, adapters: int = 1):
+    """base_model(shape) with `adapters` LoRA adapters (r=16, all linear layers, non-zero B; "default", "bank1",
+    ...), fused: lorafuse's LoRA layers and attention."""
+    def config():
+        return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    peft_model = get_peft_model(base_model(shape), config())
+    for i in range(1, adapters):
+        peft_model.add_adapter(f"bank{i}", config())
     generator = torch.Generator("cuda").manual_seed(1)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -115,14 +121,17 @@ def hf_provider(model, ids, new: int, compiled: bool):
 
 
 def engine_provider(engine: Engine, prompts, new: int):
-    """(time of `new` tokens, time of 1 token, capture seconds) for lorafuse's engine, greedy."""
+    """(time of `new` tokens, time of 1 token, capture seconds) for lorafuse's engine, greedy; with an adapter
+    bank the rows take its adapters in turn."""
     many, one = SamplingParams(max_new_tokens=new), SamplingParams(max_new_tokens=1)
-    engine.generate(prompts, many)  # warm-up
-    return seconds(lambda: engine.generate(prompts, many)), seconds(lambda: engine.generate(prompts, one)), \
-        engine.capture_seconds
+    names = engine.adapter_names
+    adapters = [names[i % len(names)] for i in range(len(prompts))] if len(names) > 1 else None
+    engine.generate(prompts, many, adapters=adapters)  # warm-up
+    return seconds(lambda: engine.generate(prompts, many, adapters=adapters)), \
+        seconds(lambda: engine.generate(prompts, one, adapters=adapters)), engine.capture_seconds
 
 
-def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, hf_step: bool, tags: dict,
+def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, hf_step: bool, bank: int, tags: dict,
                 bandwidth: float):
     rows, table = [], []
     base = base_model(shape)
@@ -135,6 +144,8 @@ def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, hf
         engines |= {"lorafuse_merged_hf_step": Engine(lora_model(shape), max_length=PROMPT + new, merge=True,
                                                       fused_step=False),
                     "lorafuse_unmerged_hf_step": Engine(lora_model(shape), max_length=PROMPT + new, fused_step=False)}
+    if bank > 1:
+        engines[f"lorafuse_bank{bank}"] = Engine(lora_model(shape, bank), max_length=PROMPT + new)
     for batch in batches:
         key = f"llama{shape}_B{batch}_P{PROMPT}_G{new}"
         prompts = torch.randint(3, 120000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).tolist()
@@ -178,6 +189,8 @@ def main():
     parser.add_argument("--profile", action="store_true", help="print the largest GPU kernels of decode steps")
     parser.add_argument("--hf-step", action="store_true",
                         help="also time the engine with transformers' forward as its decode step (fused_step=False)")
+    parser.add_argument("--bank", type=int, default=0, help="also time an engine over N adapters (N >= 2, r=16: "
+                        "N <= 4 keeps the fused step)")
     parser.add_argument("--out", default=None, help="directory of decode.csv (default: benchmarks/results and $OUT)")
     args = parser.parse_args()
     shapes = ["1B"] if args.quick else args.shapes.split(",")
@@ -188,7 +201,8 @@ def main():
                  p80_ms="", metric="GBps", value=bandwidth, baseline="", ratio="")]
     table = []
     for shape in shapes:
-        shape_rows, shape_table = bench_shape(shape, batches, new, not args.quick, args.profile, args.hf_step, tags,
+        shape_rows, shape_table = bench_shape(shape, batches, new, not args.quick, args.profile, args.hf_step,
+                                              args.bank, tags,
                                               bandwidth)
         rows += shape_rows
         table += shape_table
