@@ -8,16 +8,22 @@ blocks, float32 adapters on bf16 pieces) on a side stream while the persistent T
 the pair is timed against the two run one after the other. The overlap pays only if k SMs stream x fast enough: the
 GEMM loses k/sms of its SMs for its whole length. Per-SM GB/s is printed for that reason. Graph-replayed, us.
 """
+import os
+import sys
+
 import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
-from lorafuse.ops import lora_matmul as LM
-from lorafuse.ops.lora_shrink import lora_shrink
-from lorafuse.ops._bf16_pieces import bf16_pieces, dot_pieces
-from lorafuse.ops.dropout import PHILOX_ROUNDS, dropout_args, keep_tile, new_seed
-from lorafuse.ops._tiles import dot_precision, lora_precision, sm_count
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import capture  # noqa: E402
+from lorafuse.ops import lora_matmul as LM  # noqa: E402
+from lorafuse.ops.lora_shrink import lora_shrink  # noqa: E402
+from lorafuse.ops._bf16_pieces import bf16_pieces, dot_pieces  # noqa: E402
+from lorafuse.ops.dropout import PHILOX_ROUNDS, dropout_args, keep_tile, new_seed  # noqa: E402
+from lorafuse.ops._tiles import dot_precision, lora_precision, sm_count  # noqa: E402
 
 
 @triton.jit
@@ -77,16 +83,8 @@ def gemm(a, b, low, right, scale, programs):
 
 def replay_us(fn):
     # min time of fn replayed from a CUDA graph (warmed up on a side stream first), us
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return 1000 * do_bench(g.replay, warmup=50, rep=300, return_mode="min")
+    graph, _ = capture(fn)
+    return 1000 * do_bench(graph.replay, warmup=50, rep=300, return_mode="min")
 
 
 def concurrent(side, first, second):
