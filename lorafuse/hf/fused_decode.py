@@ -307,7 +307,8 @@ class StackedLinear:
         # [N, sum r] over the adapters' lora_B of one projection, laid out once (a later engine finds it so)
         if not params:
             return None
-        return side_by_side(params) if side_by_side(params) is not None else lay_side_by_side(params)
+        found = side_by_side(params)
+        return found if found is not None else lay_side_by_side(params)
 
     def row_scales_of(self, rows: int) -> torch.Tensor | None:
         return None if self.row_scales is None else self.row_scales[:rows]

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .._paths import looks_local
+from .decoding import BASE
 from .model import fuse, get_peft_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,7 +107,7 @@ def load_adapter(model: PreTrainedModel, adapter: str | os.PathLike, attention: 
     check_exists(str(adapter))
     peft_model = peft.PeftModel.from_pretrained(model, adapter)
     for name, directory in (others or {}).items():
-        if name in peft_model.peft_config or name == "__base__":
+        if name in peft_model.peft_config or name == BASE:
             raise ModelLoadError(f"model.adapters: the name {name!r} is taken (by model.adapter, or PEFT's name for "
                                  "no adapter); pick another")
         check_exists(str(directory))
