@@ -84,9 +84,8 @@ def requested_adapter(body: dict, model_name: str, adapters: tuple[str, ...]) ->
     if model == model_name or model is None or not adapters:
         return None
     if model not in adapters:
-        raise RequestError(f"the model {model!r} does not exist: this server runs {model_name!r}"
-                           + (f" and its adapters {', '.join(map(repr, adapters))}" if adapters else ""),
-                           param="model", status=HTTPStatus.NOT_FOUND)
+        raise RequestError(f"the model {model!r} does not exist: this server runs {model_name!r} and its adapters "
+                           f"{', '.join(map(repr, adapters))}", param="model", status=HTTPStatus.NOT_FOUND)
     return model
 
 
