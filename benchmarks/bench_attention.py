@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import LogWatch, capture, environment, time_ms, write_rows  # noqa: E402
+from benchmarks.common import LogWatch, capture, environment, time_alternating, time_ms, write_rows  # noqa: E402
 
 from lorafuse.ops.attention_windows import allowed_keys, windows_from_padding_mask  # noqa: E402
 from lorafuse.ops.flash_attention import attention_reference, flash_attention  # noqa: E402
@@ -287,15 +287,14 @@ def run_checks(device, cases):
 # ------------------------------------------------------------------------------------------------
 # Timing
 
-def time_provider(provider, fn, what, graphed=False):
-    """time_ms(fn) under the provider's back-end (of fn replayed from a CUDA graph if graphed), or
-    None, reported, if the provider fails on this input."""
+def graphed_provider(provider, fn, what):
+    """fn under the provider's back-end, captured in a CUDA graph: its replay, or None, reported, if the provider fails
+    on this input. Providers are then timed alternating call by call (benchmarks.common.time_alternating): timed one
+    after the other, identical kernels read up to 8 % apart (H200, NOTES_lora_layer.md)."""
     try:
         with backend_of(provider):
-            fn()  # an unsupported input raises here, before timing
-            if graphed:
-                fn = capture(fn)[0].replay
-            return time_ms(fn, rep_ms=REP_MS)
+            fn()  # an unsupported input raises here, before capture
+            return capture(fn)[0].replay
     except Exception as exc:
         print(f"  {provider:14} {what}: skipped ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:100]})")
         torch.cuda.empty_cache()
@@ -331,18 +330,20 @@ def bench_shape(env, b, n, d, causal, device="cuda"):
     shape = f"B{b}_H{HEADS}_N{n}_D{d}_{'causal' if causal else 'full'}"
     q, k, v, do = (torch.randn(b, HEADS, n, d, device=device, dtype=torch.bfloat16) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    times = {}
+    calls = {}
     for mode in ("fwd", "fwd_bwd"):
         for provider in PROVIDERS:
             if provider == "eager" and eager_gib(b, HEADS, n, mode) > EAGER_LIMIT_GIB:
                 print(f"  {'eager':14} {shape} {mode}: skipped (~{eager_gib(b, HEADS, n, mode):.0f} GiB of N x N "
                       f"tensors > {EAGER_LIMIT_GIB} GiB)")
                 continue
-            result = time_provider(provider, timed_call(provider, mode, q, k, v, do, causal), f"{shape} {mode}")
-            if result is not None:
-                times[(provider, mode)] = result
+            replay = graphed_provider(provider, timed_call(provider, mode, q, k, v, do, causal), f"{shape} {mode}")
+            if replay is not None:
+                calls[(provider, mode)] = replay
+    times = time_alternating(calls, rounds=50)
+    del calls  # the graphs' memory, the eager provider's N x N blocks among it
     flops = 4 * b * HEADS * n * n * d * (0.5 if causal else 1)
-    torch.cuda.empty_cache()  # the eager provider's N x N blocks
+    torch.cuda.empty_cache()
     return rows_of(env, shape, times, {"fwd": flops, "fwd_bwd": 3.5 * flops}, "TFLOPs")
 
 
@@ -363,16 +364,19 @@ def bench_decode(env, device="cuda"):
     print(f"timing {shape}", flush=True)
     q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, n_k, d, device=device, dtype=torch.bfloat16) for _ in range(2))
-    times = {}
+    times, calls = {}, {}
     for provider in ("lorafuse", *SDPA_BACKENDS):
         # causal with one query at the end sees every key; SDPA's is_causal would align it to key 0
         fn = (lambda: flash_attention(q, k, v, causal=True)) if provider == "lorafuse" else (
             lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         with torch.no_grad():
-            for mode in ("decode", "decode_graph"):
-                result = time_provider(provider, fn, f"{shape} {mode}", graphed=mode == "decode_graph")
-                if result is not None:
-                    times[(provider, mode)] = result
+            replay = graphed_provider(provider, fn, f"{shape} decode_graph")
+            if replay is None:
+                continue
+            calls[(provider, "decode_graph")] = replay
+            with backend_of(provider):  # eager calls: the launch overhead a host-bound decode step sees
+                times[(provider, "decode")] = time_ms(fn, rep_ms=REP_MS)
+    times.update(time_alternating(calls))
     kv_bytes = 2 * k.numel() * k.element_size()
     return rows_of(env, shape, times, {"decode": kv_bytes, "decode_graph": kv_bytes}, "GBps")
 

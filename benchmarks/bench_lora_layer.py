@@ -5,6 +5,8 @@
     python benchmarks/bench_lora_layer.py --no-compiled   # skip torch.compile of PEFT (slow to build)
     python benchmarks/bench_lora_layer.py --check-only    # correctness on the GPU, no timing
     python benchmarks/bench_lora_layer.py --decode-only   # checks, then decode sizes only
+    python benchmarks/bench_lora_layer.py --no-decode     # checks, then training sizes only
+    python benchmarks/bench_lora_layer.py --profile       # also each training shape's kernels (base, lorafuse)
     python benchmarks/bench_lora_layer.py --no-check --sweep-decode  # lora_decode launch configs, nothing else
 
 Providers: base (the frozen nn.Linear alone: the floor), peft, peft_compiled, lorafuse
@@ -16,7 +18,8 @@ providers there: lorafuse_bf16 (the adapters cast to bf16, as lorafuse.inference
 lorafuse_matmul (that, with the single Triton GEMM that fuses the shrink into its K-loop, LORAFUSE_GEMM=triton).
 Modes: fwd and fwd_bwd are eager calls of the one layer; fwd_graph and fwd_bwd_graph the same calls replayed from a
 CUDA graph, the GPU time alone (an eager call of one layer also waits on Python and the kernel launchers, which a
-model's many layers hide as the host runs ahead of the GPU).
+model's many layers hide as the host runs ahead of the GPU), timed alternating call by call across providers
+(benchmarks.common.time_alternating).
 Rows go to benchmarks/results/lora_layer.csv (and $OUT when set); ratio = time / base time.
 """
 import argparse
@@ -29,7 +32,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import capture, environment, time_ms, write_rows  # noqa: E402
+from benchmarks.common import capture, environment, print_profile, time_alternating, time_ms, write_rows  # noqa: E402
 
 import lorafuse  # noqa: E402
 from lorafuse.ops import lora_linear_reference  # noqa: E402
@@ -247,17 +250,17 @@ def breakdown():
             print(f"    {name:40} {time_ms(fn)[0]:.3f}")
 
 
-def graph_time(call, name, mode):
-    """time_ms of `call` replayed from a CUDA graph, or None (said) where it cannot be captured."""
+def graph_of(call, name, mode):
+    """`call` captured in a CUDA graph, or None (said) where it cannot be captured."""
     try:
-        return time_ms(capture(call)[0].replay)
+        return capture(call)[0]
     except Exception as exc:  # e.g. a compiled provider that does not capture
         print(f"  {name} {mode}: no graph timing ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
         torch.cuda.synchronize()
         return None
 
 
-def bench_training(env, compiled):
+def bench_training(env, compiled, profile=False):
     rows = []
     for k, n in TRAIN_SHAPES:
         for p in (0.0, 0.05):
@@ -274,18 +277,26 @@ def bench_training(env, compiled):
                          "lorafuse_cublas": (fused, {"LORAFUSE_GEMM": "cublas"})}
             if compiled:
                 providers["peft_compiled"] = (torch.compile(peft), {})
-            times = {}
+            # Eager calls of one layer wait on Python and the launchers between kernels (a model's layers hide that:
+            # the host runs ahead). The same calls replayed from CUDA graphs give the GPU time alone: the rows the
+            # targets are read from, timed alternating call by call across providers.
+            times, graphs = {}, {}
             for name, (model, settings) in providers.items():
                 params = [x] + [q for q in model.parameters() if q.requires_grad]
                 calls = {"fwd": lambda: model(x), "fwd_bwd": lambda: torch.autograd.grad(model(x), params, gy)}
                 with mock.patch.dict(os.environ, settings):
                     for mode, call in calls.items():
                         times[(name, mode)] = time_ms(call)
-                        # Eager calls of one layer wait on Python and the launchers between kernels (a model's
-                        # layers hide that: the host runs ahead); replayed from a CUDA graph: GPU time alone.
-                        graphed = graph_time(call, name, mode)
-                        if graphed is not None:
-                            times[(name, f"{mode}_graph")] = graphed
+                        graph = graph_of(call, name, mode)
+                        if graph is not None:
+                            graphs[(name, f"{mode}_graph")] = graph.replay
+            times.update(time_alternating(graphs))
+            if profile:
+                for name in ("base", "lorafuse"):
+                    model = providers[name][0]
+                    params = [x] + [q for q in model.parameters() if q.requires_grad]
+                    print_profile(f"{shape} {name} fwd+bwd (eager calls, ms per call)",
+                                  lambda: torch.autograd.grad(model(x), params, gy), steps=5, kernels=12)
             for (name, mode), (med, p20, p80) in times.items():
                 if ("base", mode) not in times:
                     continue
@@ -311,7 +322,7 @@ def bench_decode(env):
         providers = {"base": [p.base_model.model.proj.base_layer for p in peft], "peft": peft, "lorafuse": fused,
                      "lorafuse_fast": fused, "lorafuse_bf16": fused_bf16, "lorafuse_matmul": fused_bf16}
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-        times = {}
+        times, graphs = {}, {}
         for name, models in providers.items():
             step = [0]
 
@@ -327,9 +338,9 @@ def bench_decode(env):
             with torch.no_grad(), mock.patch.dict(os.environ, settings):
                 times[(name, "fwd")] = time_ms(call)
                 # The same calls replayed from a CUDA graph: GPU time without Python launch overhead.
-                graph = capture(call_all)[0]
-                med, p20, p80 = time_ms(graph.replay)
-                times[(name, "fwd_graph")] = (med / copies, p20 / copies, p80 / copies)
+                graphs[(name, "fwd_graph")] = capture(call_all)[0].replay
+        for key, (med, p20, p80) in time_alternating(graphs).items():
+            times[key] = (med / copies, p20 / copies, p80 / copies)
         for (name, mode), (med, p20, p80) in times.items():
             rows.append(dict(env, bench="lora_layer", shape=shape, provider=name, mode=mode, median_ms=med,
                              p20_ms=p20, p80_ms=p80, metric="GBps", value=k * n * 2 / med / 1e6, baseline="base",
@@ -345,6 +356,9 @@ def main():
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--no-decode", action="store_true", help="training rows only")
+    parser.add_argument("--profile", action="store_true", help="also print base's and lorafuse's kernels per "
+                        "training shape (torch.profiler)")
     parser.add_argument("--sweep-decode", action="store_true")
     args = parser.parse_args()
     ok = True if args.no_check else check_correctness()
@@ -358,7 +372,8 @@ def main():
         sweep_decode()
         return
     env = environment()
-    rows = ([] if args.decode_only else bench_training(env, not args.no_compiled)) + bench_decode(env)
+    rows = (([] if args.decode_only else bench_training(env, not args.no_compiled, args.profile))
+            + ([] if args.no_decode else bench_decode(env)))
     out_dirs = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")]
     if os.environ.get("OUT"):
         out_dirs.append(os.environ["OUT"])

@@ -45,6 +45,32 @@ def time_ms(fn, rep_ms=200):
     return med, p20, p80
 
 
+def time_alternating(calls, rounds=100, warmup=10):
+    """{key: (median, p20, p80)} in ms for each callable of `calls` (CUDA-graph replays), timed call by call in turn
+    (the order rotating each round), with CUDA events around each call and L2 flushed before it, as do_bench does.
+
+    Ratios between calls are what the benchmarks compare, and the GPU's clocks drift between seconds: timed one after
+    the other (do_bench per provider), the base fwd+bwd of one shape read 0.79 ms in one run and 0.90 ms (p20-p80
+    0.85-0.98) in another, and two providers running the same kernels differed by 6 % (H200, NOTES_lora_layer.md).
+    Alternating call by call, every provider sees the same clocks."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    keys = list(calls)
+    events = {key: [] for key in keys}
+    for i in range(warmup + rounds):
+        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            calls[key]()
+            end.record()
+            if i >= warmup:
+                events[key].append((start, end))
+    torch.cuda.synchronize()
+    quantiles = torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)
+    return {key: tuple(torch.quantile(torch.tensor([s.elapsed_time(e) for s, e in pairs], dtype=torch.float64),
+                                      quantiles).tolist()) for key, pairs in events.items()}
+
+
 def capture(fn):
     """(graph, outputs): fn() captured in a CUDA graph after warm-up on a side stream."""
     stream = torch.cuda.Stream()
@@ -83,4 +109,4 @@ def print_profile(provider, step, steps=2, kernels=30):
     total = sum(e.self_device_time_total for e in events) / steps / 1e3
     print(f"  {provider}: GPU kernel time {total:.1f} ms per step; largest kernels (ms per step):")
     for e in events[:kernels]:
-        print(f"    {e.self_device_time_total / steps / 1e3:7.2f}  {e.count // steps:4d}x  {e.key[:90]}")
+        print(f"    {e.self_device_time_total / steps / 1e3:8.3f}  {e.count // steps:4d}x  {e.key[:90]}")
