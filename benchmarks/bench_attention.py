@@ -19,7 +19,8 @@ one back-end), eager (matmul, softmax, matmul in bf16; skipped where its N x N t
 40 GiB). TFLOPs: 4*B*H*N^2*D forward, halved when causal; fwd_bwd counts 3.5x that. Decode row:
 one query against a 4096-key cache (GQA 4), GB/s of K/V read, eager launches (`decode`) and
 replayed from a CUDA graph (`decode_graph`). A provider that fails on a shape is reported and
-skipped. ratio = time / sdpa_flash time (same shape and mode). Rows go to
+skipped. Every timed call (but the eager decode row's) is a CUDA-graph replay, the providers timed alternating
+call by call (benchmarks.common.time_alternating). ratio = time / sdpa_flash time (same shape and mode). Rows go to
 benchmarks/results/attention.csv (and $OUT when set).
 """
 import argparse
