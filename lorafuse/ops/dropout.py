@@ -84,11 +84,13 @@ def keep_tile(seed_ptr, rows, col_start, THRESHOLD, BLOCK_K: tl.constexpr, ROUND
 
 
 def _mulhilo(a: torch.Tensor, b: int):
-    # a: uint32 values held in int64; returns (hi, lo) 32-bit words of a * b without overflow.
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    lo_part = a_lo * b
-    mid = a_hi * b + (lo_part >> 16)
-    return (mid >> 16) & _MASK32, (((mid & 0xFFFF) << 16) | (lo_part & 0xFFFF)) & _MASK32
+    # a: uint32 values held in int64, b < 2**32; returns (hi, lo) 32-bit words of a * b without overflow: b is cut in
+    # 16-bit halves, so that each partial product stays under 2**48.
+    by_lo = a * (b & 0xFFFF)
+    by_hi = a * (b >> 16)
+    lo = (by_lo + ((by_hi & 0xFFFF) << 16)) & _MASK32
+    hi = (by_hi + (by_lo >> 16)) >> 16
+    return hi, lo
 
 
 def keep_mask_reference(seed: int, n_rows: int, n_cols: int, p: float, device=None) -> torch.Tensor:
