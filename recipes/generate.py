@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from lorafuse.hf.loading import ModelLoadError
 from lorafuse.inference.build import build_engine, sampling_params
 from lorafuse.inference.config import register_configs
-from lorafuse.inference.prompts import PromptError, encode_prompt, new_text, read_prompts
+from lorafuse.inference.detokenize import TextStream, completion_text
+from lorafuse.inference.prompts import PromptError, encode_prompt, read_prompts
 
 register_configs()
 logger = logging.getLogger("lorafuse.generate")
@@ -36,12 +37,11 @@ def main(cfg: DictConfig) -> None:
     except (PromptError, ModelLoadError, ValueError) as err:
         logger.error("%s: %s", type(err).__name__, err)
         raise SystemExit(2) from None
-    streamed = []
+    streamed = TextStream(tokenizer, params.stop)
 
     def stream(row: int, new: list[int]) -> None:  # one prompt: its text as it comes
-        sys.stdout.write(new_text(tokenizer, streamed, new))
+        sys.stdout.write(streamed.add(new))
         sys.stdout.flush()
-        streamed.extend(new)
 
     try:
         outputs = engine.generate(ids, params, on_tokens=stream if len(prompts) == 1 else None,
@@ -49,9 +49,10 @@ def main(cfg: DictConfig) -> None:
     except ValueError as err:  # an adapter name the model does not hold
         logger.error("%s: %s", type(err).__name__, err)
         raise SystemExit(2) from None
-    completions = [tokenizer.decode(out, skip_special_tokens=True) for out in outputs]
+    # the text ends before the first stop string, as the server's (and OpenAI's) does
+    completions = [completion_text(tokenizer, out, params.stop)[0] for out in outputs]
     if len(prompts) == 1:
-        print()
+        print(streamed.finish())
     else:
         for number, (prompt, completion) in enumerate(zip(prompts, completions)):
             print(f"[{number}] {prompt}\n    -> {completion}")

@@ -130,7 +130,9 @@ class Engine:
                  on_tokens: Callable[[int, list[int]], None] | None = None,
                  adapters: Sequence[str | None] | None = None) -> list[list[int]]:
         """The new tokens of each prompt (token ids), EOS or the token completing a stop string included;
-        `on_tokens(row, ids)` is called with each row's new tokens as they come (see `stream` for `adapters`)."""
+        `on_tokens(row, ids)` is called with each row's new tokens as they come (see `stream` for `adapters`). A
+        seed fixes the draws of the batch as a whole: the rows draw from one generator, so a prompt's tokens depend
+        on the batch it runs in (lorafuse.inference.detokenize turns tokens into the text a user gets)."""
         tokens = [[] for _ in prompts]
         for new in self.stream(prompts, params, adapters):
             for row, ids in new.items():

@@ -20,13 +20,6 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return encode_messages(tokenizer, [{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
 
 
-def new_text(tokenizer, before: list[int], new: list[int]) -> str:
-    """The text that `new` tokens add after `before` ones, for streaming. Decoding the whole text and taking its
-    new end keeps characters that span tokens whole (byte-level BPE splits them)."""
-    previous = tokenizer.decode(before, skip_special_tokens=True)
-    return tokenizer.decode(before + new, skip_special_tokens=True)[len(previous):]
-
-
 def read_prompts(prompts: list[str], prompts_file: str | None) -> tuple[list[str], list[str | None]]:
     """(`prompts`, then those of `prompts_file`: a line each (.txt), or each line's "prompt" field (.jsonl); each
     prompt's adapter: a .jsonl line's optional "adapter" field, else None, the model's active adapter)."""

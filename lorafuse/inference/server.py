@@ -6,6 +6,10 @@ them), GET /v1/models and /health. Each request runs on its own handler thread, 
 queue of events. One batcher thread owns the engine: it takes the waiting requests that share sampling
 settings, up to the engine's largest batch, runs them as one batch, and feeds each request's queue its
 tokens as they come. An engine error fails the requests of that batch with a 500; the server goes on.
+A request with a seed runs alone: the rows of a batch draw from one generator, so only alone does a seed give
+the same text whatever else is being served. A batch whose clients have all gone away stops at the next check.
+The text ends before the first stop string (as OpenAI's API and vLLM return it); the usage counts every token
+made, the one that completed the stop string included.
 
 A request's "model" picks the LoRA adapter, as vLLM serves its LoRA modules: the server's model_name (or no "model")
 runs the engine's active adapter, an adapter's name that adapter, and GET /v1/models lists them all. Adapters are
@@ -21,11 +25,18 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .prompts import PromptError, encode_messages, new_text
+from .detokenize import TextStream
+from .prompts import PromptError, encode_messages
 from .sampling import SamplingParams
 
 logger = logging.getLogger("lorafuse.serve")
 MAX_BODY_BYTES = 1 << 20
+MAX_TOP_K = (1 << 31) - 1
+# Fields of OpenAI's API that this server does not implement, with the values that ask for nothing (sent by many
+# clients as defaults): any other value is refused rather than silently ignored.
+UNSUPPORTED = {"echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,),
+               "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
+               "tools": ([],), "response_format": ({"type": "text"},)}
 
 
 class RequestError(ValueError):
@@ -43,6 +54,7 @@ class Job:
     params: SamplingParams
     adapter: str | None = None  # None: the engine's active adapter
     events: queue.Queue = field(default_factory=queue.Queue)  # ("tokens", [ids]), ("done", reason), ("error", msg)
+    gone: bool = False  # its client went away: nobody reads its events
 
 
 # ---- parsing ------------------------------------------------------------------------------------------------
@@ -58,20 +70,27 @@ def _field(body: dict, name: str, kind, default, check=None, allowed: str = ""):
     return value
 
 
-def sampling_params(body: dict, max_new_tokens: int) -> SamplingParams:
-    """The sampling settings of an OpenAI request body; `max_new_tokens` caps max_tokens."""
+def sampling_params(body: dict, max_new_tokens: int, default_max_tokens: int, chat: bool) -> SamplingParams:
+    """The sampling settings of an OpenAI request body; `max_new_tokens` caps max_tokens. Chat requests may name it
+    max_completion_tokens, as OpenAI's current clients do."""
+    for name, neutral in UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise RequestError(f"'{name}' is not supported by this server (got {body[name]!r})", param=name)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise RequestError("'stop' must be a string or a list of non-empty strings", param="stop")
     _field(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)")
+    length = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    top_k = _field(body, "top_k", int, 0, lambda v: -1 <= v <= MAX_TOP_K, f"an integer from -1 to {MAX_TOP_K} "
+                   "(0 or -1: off)")
     return SamplingParams(
-        max_new_tokens=_field(body, "max_tokens", int, 16, lambda v: 1 <= v <= max_new_tokens,
-                              f"an integer from 1 to {max_new_tokens}"),
+        max_new_tokens=_field(body, length, int, min(default_max_tokens, max_new_tokens),
+                              lambda v: 1 <= v <= max_new_tokens, f"an integer from 1 to {max_new_tokens}"),
         temperature=_field(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "a number from 0 to 2"),
         top_p=_field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        top_k=_field(body, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0 (0: off)"),
-        seed=_field(body, "seed", int, None),
+        top_k=max(top_k, 0),
+        seed=_field(body, "seed", int, None, lambda v: 0 <= v < 1 << 64, "an integer from 0 to 2**64 - 1"),
         stop=tuple(stop or ()))
 
 
@@ -116,7 +135,7 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
 class Batcher(threading.Thread):
     """Runs the engine on batches of waiting jobs that share sampling settings (the engine takes one set per
     batch; adapters may differ: the server offers them only where the engine mixes them); jobs with other settings
-    wait for a later batch, in arrival order."""
+    wait for a later batch, in arrival order. A job with a seed runs alone (see the module's docstring)."""
 
     def __init__(self, engine, max_batch: int):
         super().__init__(daemon=True, name="lorafuse-batcher")
@@ -130,23 +149,34 @@ class Batcher(threading.Thread):
                 waiting.append(self.jobs.get())
             while not self.jobs.empty():  # everything that arrived while the last batch ran
                 waiting.append(self.jobs.get_nowait())
-            batch = [job for job in waiting if job.params == waiting[0].params][:self.max_batch]
+            first = waiting[0]
+            batch = [first] if first.params.seed is not None else \
+                [job for job in waiting if job.params == first.params][:self.max_batch]
             waiting = [job for job in waiting if job not in batch]
             self._run(batch)
 
     def _run(self, batch: list[Job]) -> None:
         adapters = [job.adapter for job in batch]
+        made = [[] for _ in batch]
         try:
-            outputs = self.engine.generate([job.prompt_ids for job in batch], batch[0].params,
-                                           on_tokens=lambda row, ids: batch[row].events.put(("tokens", list(ids))),
-                                           adapters=None if not any(adapters) else adapters)
+            for new in self.engine.stream([job.prompt_ids for job in batch], batch[0].params,
+                                          adapters=None if not any(adapters) else adapters):
+                for row, ids in new.items():
+                    made[row] += ids
+                    batch[row].events.put(("tokens", list(ids)))
+                if all(job.gone for job in batch):
+                    logger.info("a batch of %d stopped: its clients went away", len(batch))
+                    return
         except Exception as err:  # noqa: BLE001 - whatever broke, the requests get an answer and the server lives
             logger.exception("engine failed on a batch of %d", len(batch))
             for job in batch:
                 job.events.put(("error", f"generation failed: {type(err).__name__}: {err}"))
             return
-        for job, ids in zip(batch, outputs):
-            job.events.put(("done", "length" if len(ids) >= job.params.max_new_tokens else "stop"))
+        for job, ids in zip(batch, made):
+            # "stop" after EOS or a stop string (the handler finds those in the text), "length" at the budget
+            ended_by_eos = bool(ids) and ids[-1] in self.engine.eos_token_ids
+            job.events.put(("done", "length" if len(ids) >= job.params.max_new_tokens and not ended_by_eos
+                            else "stop"))
 
 
 # ---- HTTP -----------------------------------------------------------------------------------------------------
@@ -176,7 +206,9 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body()
             adapter = requested_adapter(body, self.server.model_name, self.server.adapters)
             prompt = (chat_prompt if chat else completion_prompt)(body, self.server.tokenizer)
-            params = sampling_params(body, self.server.max_new_tokens)
+            # OpenAI's defaults: 16 tokens for a completion, what the context leaves for a chat answer
+            default_max_tokens = max(1, self.server.max_length - len(prompt)) if chat else 16
+            params = sampling_params(body, self.server.max_new_tokens, default_max_tokens, chat)
             if len(prompt) + params.max_new_tokens > self.server.max_length:
                 raise RequestError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_new_tokens}) "
                                    f"exceed the server's {self.server.max_length} tokens", param="max_tokens")
@@ -185,18 +217,24 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(err)
         job = Job(prompt, params, adapter)
         self.server.batcher.jobs.put(job)
-        answer = _Answer(chat, adapter or self.server.model_name, self.server.tokenizer)
-        (self._stream if stream else self._whole)(job, answer)
+        answer = _Answer(chat, adapter or self.server.model_name, TextStream(self.server.tokenizer, params.stop))
+        try:
+            (self._stream if stream else self._whole)(job, answer)
+        except (BrokenPipeError, ConnectionResetError):
+            job.gone = True
+            self.close_connection = True
 
     def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
+        length = self.headers.get("Content-Length") or "0"
+        if not length.isdigit():
+            raise RequestError(f"Content-Length must be a number of bytes, got {length!r}")
+        if int(length) > MAX_BODY_BYTES:
             raise RequestError(f"the body is larger than {MAX_BODY_BYTES} bytes",
                                status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         try:
-            body = json.loads(self.rfile.read(length) or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise RequestError(f"the body is not valid JSON: {err}") from err
+            body = json.loads(self.rfile.read(int(length)) or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise RequestError(f"the body is not valid JSON: {type(err).__name__}: {err}") from err
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         return body
@@ -214,34 +252,45 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        ids = []
+        if answer.chat:
+            self._event(answer.chunk("", None, role=True))  # OpenAI's first chunk names the role
         while True:
             kind, value = job.events.get()
             if kind == "tokens":
-                text = new_text(self.server.tokenizer, ids, value)
-                ids += value
-                chunk = answer.chunk(text, None)
-            elif kind == "done":
-                chunk = answer.chunk("", value)
+                text = answer.text.add(value)
+                if text:
+                    self._event(answer.chunk(text, None))
+                continue
+            if kind == "done":
+                rest = answer.text.finish()
+                if rest:
+                    self._event(answer.chunk(rest, None))
+                self._event(answer.chunk("", answer.reason(value)))
             else:
-                chunk = _error_body(value, "server_error")
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-            if kind != "tokens":
-                break
+                self._event(_error_body(value, "server_error"))
+            break
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
-    def _json(self, status: HTTPStatus, payload: dict) -> None:
+    def _event(self, payload: dict) -> None:
+        self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+        self.wfile.flush()
+
+    def _json(self, status: HTTPStatus, payload: dict, close: bool = False) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if close:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
     def _error(self, err: RequestError) -> None:
-        self._json(err.status, _error_body(str(err), "invalid_request_error", err.param))
+        # The body may be unread (an unknown endpoint, too large, a bad length): the connection cannot carry another
+        # request after it.
+        self.close_connection = True
+        self._json(err.status, _error_body(str(err), "invalid_request_error", err.param), close=True)
 
 
 def _error_body(message: str, kind: str, param: str | None = None) -> dict:
@@ -259,16 +308,22 @@ def _collect(job: Job) -> tuple[list[int], str | None, str | None]:
 
 
 class _Answer:
-    """OpenAI's response objects for one request: a whole completion, or the chunks of a stream."""
+    """OpenAI's response objects for one request: a whole completion, or the chunks of a stream; `text` turns its
+    tokens into the text it may send."""
 
-    def __init__(self, chat: bool, model: str, tokenizer):
-        self.chat, self.model, self.tokenizer = chat, model, tokenizer
+    def __init__(self, chat: bool, model: str, text: TextStream):
+        self.chat, self.model, self.text = chat, model, text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
+    def reason(self, engine_reason: str) -> str:
+        """The finish_reason: "stop" where the text met a stop string (the engine may have ended the row on the same
+        token for its budget), else the engine's."""
+        return "stop" if self.text.stopped else engine_reason
+
     def whole(self, ids: list[int], reason: str, prompt_tokens: int) -> dict:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        choice = {"index": 0, "finish_reason": reason}
+        text = self.text.add(ids) + self.text.finish()
+        choice = {"index": 0, "finish_reason": self.reason(reason)}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else
                       {"text": text, "logprobs": None})
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
@@ -276,10 +331,10 @@ class _Answer:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": usage}
 
-    def chunk(self, text: str, reason: str | None) -> dict:
+    def chunk(self, text: str, reason: str | None, role: bool = False) -> dict:
         choice = {"index": 0, "finish_reason": reason}
-        choice.update({"delta": {"content": text} if text or reason is None else {}} if self.chat else
-                      {"text": text, "logprobs": None})
+        delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
+        choice.update({"delta": delta} if self.chat else {"text": text, "logprobs": None})
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
 

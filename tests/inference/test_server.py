@@ -3,6 +3,7 @@ concurrent requests, and 4xx/5xx answers that never take it down. The engine is 
 prompt with its tokens reversed, so that every answer is known exactly; the real engine has its own tests."""
 import http.client
 import json
+import socket
 import threading
 import time
 
@@ -14,27 +15,31 @@ from lorafuse.inference.server import LorafuseServer
 
 
 class ReversingEngine:
-    """Generates a prompt's tokens in reverse order (at most max_new_tokens), one token per step and call; a row
-    with the adapter "first_only" stops after one token."""
+    """Generates a prompt's tokens in reverse order (at most max_new_tokens), one token per step and yield, as
+    Engine.stream yields; a row with the adapter "first_only" stops after one token. Records each batch's size,
+    adapters and the steps it ran."""
 
-    def __init__(self, fail_on: str | None = None, tokenizer=None, adapter_names=(), mixes_adapters=False):
+    eos_token_ids = frozenset({2})
+
+    def __init__(self, fail_on: str | None = None, tokenizer=None, adapter_names=(), mixes_adapters=False,
+                 seconds_per_step: float = 0.01):
         self.batch_sizes, self.fail_on, self.tokenizer = [], fail_on, tokenizer
         self.adapter_names, self.mixes_adapters, self.batch_adapters = adapter_names, mixes_adapters, []
+        self.seconds_per_step, self.steps_run = seconds_per_step, []
 
-    def generate(self, prompts, params, on_tokens=None, adapters=None):
+    def stream(self, prompts, params, adapters=None):
         self.batch_sizes.append(len(prompts))
         self.batch_adapters.append(adapters)
+        self.steps_run.append(0)
         if self.fail_on and any(self.fail_on in self.tokenizer.decode(p) for p in prompts):
             raise RuntimeError("the engine broke")
         adapters = adapters or [None] * len(prompts)
         outputs = [list(reversed(prompt))[:1 if adapter == "first_only" else params.max_new_tokens]
                    for prompt, adapter in zip(prompts, adapters)]
         for step in range(max(map(len, outputs))):
-            time.sleep(0.01)  # slow enough for concurrent requests to queue up behind a running batch
-            for row, output in enumerate(outputs):
-                if step < len(output) and on_tokens:
-                    on_tokens(row, [output[step]])
-        return outputs
+            time.sleep(self.seconds_per_step)  # slow enough for concurrent requests to queue up behind a batch
+            self.steps_run[-1] += 1
+            yield {row: [output[step]] for row, output in enumerate(outputs) if step < len(output)}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +120,11 @@ def test_a_stream_sends_the_same_text_in_chunks(server, tokenizer, path, body):
     _, whole = post(server, path, {**body, "max_tokens": 5})
     choice = json.loads(whole)["choices"][0]
     assert "".join(pieces) == (choice["message"]["content"] if chat else choice["text"])
-    assert len(chunks) == 6 and [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + ["length"]
+    # a chunk per token that adds text (special tokens add none), after chat's chunk naming the role
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert len([piece for piece in pieces if piece]) > 1
+    if chat:
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert len({c["id"] for c in chunks}) == 1
 
 
@@ -253,3 +262,139 @@ def test_models_and_health(server):
     connection.request("GET", "/health")
     health = json.loads(connection.getresponse().read())
     assert [m["id"] for m in models["data"]] == ["tiny"] and health == {"status": "ok"}
+
+
+def stream_pieces(data: str, chat: bool) -> tuple[str, str]:
+    """(The text of a server-sent stream, its finish_reason)."""
+    events = [line.removeprefix("data: ") for line in data.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+    text = "".join(c["delta"].get("content", "") if chat else c["text"] for c in chunks)
+    return text, chunks[-1]["finish_reason"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_text_ends_before_the_first_stop_string(server, tokenizer, path):
+    chat = path.endswith("chat/completions")
+    body = {"messages": [{"role": "user", "content": "one two three four"}]} if chat else \
+        {"prompt": "one two three four"}
+    _, data = post(server, path, {**body, "max_tokens": 64, "temperature": 0})
+    choice = json.loads(data)["choices"][0]
+    full = choice["message"]["content"] if chat else choice["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]  # three characters from the middle of the answer
+    for request in ({**body, "stop": [stop]}, {**body, "stop": stop, "stream": True}):
+        status, data = post(server, path, {**request, "max_tokens": 64, "temperature": 0})
+        if request.get("stream"):
+            text, reason = stream_pieces(data, chat)
+        else:
+            choice = json.loads(data)["choices"][0]
+            text, reason = choice["message"]["content"] if chat else choice["text"], choice["finish_reason"]
+        assert status == 200 and text == full[:full.index(stop)] and reason == "stop", (stop, text)
+
+
+def test_a_stop_string_completed_by_the_last_token_of_the_budget_is_a_stop(server, tokenizer):
+    prompt_ids = tokenizer.encode("one two three four")
+    text = expected_text(tokenizer, prompt_ids, 4)
+    answer = json.loads(post(server, "/v1/completions", {"prompt": "one two three four", "max_tokens": 4,
+                                                         "stop": [text[-2:]]})[1])["choices"][0]
+    assert answer == {"index": 0, "finish_reason": "stop", "text": text[:-2], "logprobs": None}
+
+
+def test_requests_with_a_seed_run_alone(server):
+    results = []
+
+    def ask(i):
+        results.append(post(server, "/v1/completions", {"prompt": f"seeded {i}", "max_tokens": 4, "seed": 7,
+                                                        "temperature": 0.8})[0])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [200] * 5 and server.batcher.engine.batch_sizes == [1] * 5
+
+
+def test_a_batch_whose_client_went_away_stops(tokenizer):
+    engine = ReversingEngine(tokenizer=tokenizer, seconds_per_step=0.05)
+    server = started(engine, tokenizer)
+    try:
+        body = json.dumps({"prompt": "word " * 60, "max_tokens": 60, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=10) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                           % (len(body), body))
+            received = b""
+            while b"data: " not in received:  # the stream has begun: the batch is running
+                received += client.recv(4096)
+        assert post(server, "/v1/completions", {"prompt": "next", "max_tokens": 2})[0] == 200
+        assert engine.steps_run[0] < 30, engine.steps_run  # 60 steps had it run to the end
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body,param", [
+    ({"top_k": 10**30}, "top_k"), ({"top_k": -2}, "top_k"), ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"),
+    ({"echo": True}, "echo"), ({"logprobs": 5}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"max_completion_tokens": 0}, None),
+])
+def test_settings_out_of_range_or_not_supported_get_a_400(server, path, body, param):
+    chat = path.endswith("chat/completions")
+    request = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    got, data = post(server, path, {**request, **body})
+    if param is None:  # max_completion_tokens: chat's name for max_tokens, ignored by completions
+        assert got == (400 if chat else 200), data
+        return
+    assert got == 400 and json.loads(data)["error"]["param"] == param, data
+
+
+@pytest.mark.parametrize("body", [{"top_k": -1}, {"presence_penalty": 0, "logprobs": None, "echo": False}])
+def test_settings_that_ask_for_nothing_are_taken(server, tokenizer, body):
+    got, data = post(server, "/v1/completions", {"prompt": "hello there", "max_tokens": 3, **body})
+    assert got == 200 and json.loads(data)["choices"][0]["text"] == expected_text(
+        tokenizer, tokenizer.encode("hello there"), 3)
+
+
+def test_a_chat_answer_may_fill_the_context_by_default_and_takes_max_completion_tokens(server, tokenizer):
+    messages = [{"role": "user", "content": "a question of some twenty tokens or so, to be answered in full"}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(prompt_ids) > 16
+    usage = json.loads(post(server, "/v1/chat/completions", {"messages": messages})[1])["usage"]
+    assert usage["completion_tokens"] == len(prompt_ids)  # the whole reversed prompt, not OpenAI's 16 of completions
+    answer = json.loads(post(server, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 3})[1])
+    assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("headers,raw", [
+    ({"Content-Length": "abc"}, b"{}"),
+    ({"Content-Length": "-1"}, b"{}"),
+    ({}, b"[" * 100000),
+])
+def test_a_bad_length_or_a_body_too_deep_gets_a_400(server, headers, raw):
+    connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+    connection.putrequest("POST", "/v1/completions")
+    for name, value in {"Content-Length": str(len(raw)), **headers}.items():
+        connection.putheader(name, value)
+    connection.endheaders(raw)
+    response = connection.getresponse()
+    assert response.status == 400 and json.loads(response.read())["error"]["message"]
+    connection.close()
+    assert post(server, "/v1/completions", {"prompt": "still here", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.parametrize("path,body", [("/v1/complete", {"prompt": "x"}),
+                                       ("/v1/completions", {"prompt": "x" * (2 << 20)})])
+def test_a_refused_body_closes_the_connection_and_the_next_request_gets_its_own_answer(server, tokenizer, path, body):
+    connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+    connection.request("POST", path, json.dumps(body))
+    response = connection.getresponse()
+    assert response.status in (404, 413) and response.getheader("Connection") == "close"
+    response.read()
+    # http.client opens a new connection after "Connection: close"; on the old one the unread body was the next
+    # request
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "hello there", "max_tokens": 3}))
+    answer = connection.getresponse()
+    assert answer.status == 200 and json.loads(answer.read())["choices"][0]["text"] == expected_text(
+        tokenizer, tokenizer.encode("hello there"), 3)
+    connection.close()
