@@ -16,6 +16,7 @@ import sys
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from lorafuse.train import ConfigError, Finetune, NonFiniteLoss, register_configs
 from lorafuse.train.data import DataError
@@ -34,6 +35,9 @@ def main(cfg: DictConfig) -> float | None:
     """Trains; returns the final eval loss (what a Hydra sweeper minimises)."""
     try:
         summary = Finetune(OmegaConf.to_object(cfg), HydraConfig.get().runtime.output_dir).train()
+    except MissingMandatoryValue as err:  # e.g. data=alpaca without data.path
+        logger.error("ConfigError: %s has no value and needs one: set %s=<value>", err.full_key, err.full_key)
+        raise SystemExit(2) from None
     except (ConfigError, DataError, NonFiniteLoss) as err:
         logger.error("%s: %s", type(err).__name__, err)
         raise SystemExit(2) from None

@@ -86,7 +86,7 @@ def _publish(tmp: Path, final: Path) -> None:
     _fsync_tree(tmp)
     # A directory cannot be renamed onto an existing one (a step saved again, by a run resumed from an earlier
     # checkpoint): the old one moves aside first and is deleted only once the new one is in place, so a kill
-    # in between leaves `.old-step-N`, complete, never nothing.
+    # in between leaves `.old-step-N`, complete, never nothing (latest_checkpoint finds it).
     stale = final.with_name(f".old-{final.name}")
     if final.exists():
         shutil.rmtree(stale, ignore_errors=True)
@@ -108,10 +108,16 @@ def _prune(root: Path, keep: int, just_saved: Path) -> None:
 
 
 def _complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first: each `step-N`, and a `.old-step-N` whose `step-N` is gone
+    (a kill between _publish's two renames left it: the one complete copy of that step)."""
     if not root.is_dir():
         return []
-    steps = [path for path in root.iterdir() if path.is_dir() and _STEP_DIR.match(path.name)]
-    return sorted(steps, key=lambda path: int(_STEP_DIR.match(path.name).group(1)))
+    steps = {}
+    for path in root.iterdir():
+        found = _STEP_DIR.match(path.name.removeprefix(".old-"))
+        if path.is_dir() and found and (path.name.startswith("step-") or int(found.group(1)) not in steps):
+            steps[int(found.group(1))] = path
+    return [steps[step] for step in sorted(steps)]
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -171,8 +171,10 @@ def validate(cfg: FinetuneConfig) -> None:
         raise ConfigError(f"lora.dropout={cfg.lora.dropout}: must be in [0, 1)")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio}: must be in [0, 1]")
-    if len(cfg.optim.betas) != 2:
-        raise ConfigError(f"optim.betas={cfg.optim.betas}: two numbers, e.g. [0.9, 0.999]")
+    if len(cfg.optim.betas) != 2 or not all(0 <= beta < 1 for beta in cfg.optim.betas):
+        raise ConfigError(f"optim.betas={cfg.optim.betas}: two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if not cfg.optim.eps >= 0:
+        raise ConfigError(f"optim.eps={cfg.optim.eps}: must be >= 0")
     allowed_dtypes = ("auto", "float32", "bfloat16", "float16")
     if cfg.model.dtype not in allowed_dtypes:
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: allowed values are {', '.join(allowed_dtypes)}")

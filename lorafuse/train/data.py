@@ -77,7 +77,11 @@ def _load(path: str, key: str, cfg: DataConfig) -> datasets.Dataset:
         return _load_files(files, key, path, cfg.cache_dir)
     if _looks_local(path):
         raise DataError(f"{key}: no such file or directory: {path}")
-    return datasets.load_dataset(path, split=cfg.split, cache_dir=cfg.cache_dir)
+    try:
+        return datasets.load_dataset(path, split=cfg.split, cache_dir=cfg.cache_dir)
+    except Exception as err:  # noqa: BLE001 - offline, no such dataset or split, ...: the user is told which key
+        raise DataError(f"{key}={path}: no local file or directory of that name, and the Hub dataset {path!r} "
+                        f"(split {cfg.split!r}) could not be loaded: {type(err).__name__}: {err}") from err
 
 
 def _looks_local(path: str) -> bool:
@@ -95,10 +99,17 @@ def _load_files(files: list[Path], key: str, path: str, cache_dir: str | None) -
     if len(builders) > 1:
         raise DataError(f"{key}: the directory {path} mixes file types ({', '.join(sorted(builders))}); "
                         "keep files of one type")
+    empty = [f.name for f in files if f.stat().st_size == 0]
+    if empty:
+        raise DataError(f"{key}: {path} holds no rows ({', '.join(empty)}: an empty file)")
     builder = builders.pop()
-    options = _csv_options(files[0]) if builder == "csv" else {}
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir,
-                                 **options)
+    try:
+        options = _csv_options(files[0]) if builder == "csv" else {}
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir,
+                                     **options)
+    except Exception as err:  # noqa: BLE001 - an empty or malformed file: its name, and what the reader said
+        cause = err.__cause__ or err  # datasets wraps the reader's error in a DatasetGenerationError
+        raise DataError(f"{key}: {path} could not be read as {builder}: {type(cause).__name__}: {cause}") from err
 
 
 def _csv_options(first_file: Path) -> dict:
@@ -111,6 +122,8 @@ def _csv_options(first_file: Path) -> dict:
 
 def _check_columns(rows: datasets.Dataset, source: str, cfg: DataConfig) -> None:
     keys = REQUIRED_COLUMNS[DataFormat(cfg.format)]
+    if DataFormat(cfg.format) is DataFormat.instruction and cfg.input_column != DataConfig.input_column:
+        keys += ("input_column",)  # optional under its default name; a name the user set must be there
     missing = {getattr(cfg, key): f"data.{key}" for key in keys if getattr(cfg, key) not in rows.column_names}
     if missing:
         renames = ", ".join(f"{key}=<your column>" for key in missing.values())
@@ -231,6 +244,11 @@ def _render_chat(row: dict, column: str, tokenizer) -> _Rendered:
     if not isinstance(messages, list):
         raise DataError(f"data.messages_column={column}: expected a list of {{role, content}} messages, "
                         f"found {type(messages).__name__}: {messages!r:.200}")
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DataError(f"data.messages_column={column}: each message needs a \"role\" and a \"content\" "
+                            f"string, found {message!r:.200} in {messages!r:.300}")
     return _render_conversation(messages, tokenizer)
 
 

@@ -2,6 +2,7 @@
 loss-curve PNG drawn from the JSON lines at the end."""
 import json
 import math
+import os
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
@@ -39,6 +40,9 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def plot_loss_curve(metrics_path: str | Path, png_path: str | Path) -> None:
     """Train loss (and eval loss where measured) against the optimizer step."""
+    # matplotlib writes its font cache into its config directory (~/.cache/matplotlib by default): into the run
+    # directory's cache instead, so that a run writes nowhere else (read when matplotlib is first imported)
+    os.environ.setdefault("MPLCONFIGDIR", str(Path(png_path).parent / "cache" / "matplotlib"))
     import matplotlib
     matplotlib.use("Agg")  # no display: render to the file only
     from matplotlib import pyplot as plt

@@ -1,7 +1,8 @@
 """Which checkpoint a run continues from, and the refusals that keep a resumed run the same run.
 
-A run directory belongs to one run: a fresh start refuses one that holds checkpoints, and a resumed run must
-keep the settings that decide its data order, model and optimizer state (`fixed_settings`), and have steps left.
+A run directory belongs to one run: a fresh start refuses one that holds checkpoints, a run resumed from another
+run's checkpoint refuses one too, and a resumed run must keep the settings that decide its base model, data order,
+adapter and optimizer state (`fixed_settings`), and have steps left.
 """
 from enum import Enum
 from pathlib import Path
@@ -12,10 +13,13 @@ from .config import ConfigError, FinetuneConfig
 
 def fixed_settings(cfg: FinetuneConfig, processes: int) -> dict:
     """The settings a resumed run must share with its checkpoint. (train.max_steps, logging, saving and eval
-    settings may change.)"""
+    settings, the attention implementation and trust_remote_code may change.)"""
     settings = {f"{group}.{key}": value.value if isinstance(value, Enum) else value
                 for group in ("data", "lora", "optim") for key, value in vars(getattr(cfg, group)).items()
                 if key != "cache_dir"}
+    # the base model the adapter was trained on (the checkpoint holds the adapter alone)
+    settings |= {f"model.{key}": getattr(cfg.model, key)
+                 for key in ("name_or_path", "tokenizer", "random_init", "config_overrides", "dtype")}
     settings["train.seed"] = cfg.train.seed
     settings["processes"] = processes  # each restores its own RNG state
     settings["global batch (train.batch_size x processes x train.grad_accum)"] = (
@@ -40,6 +44,11 @@ def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> 
     if saved is None:
         raise ConfigError(f"train.resume={resume}: not a checkpoint (a step-N directory under "
                           "<run_dir>/checkpoints, holding trainer_state.json)")
+    own = (run_dir / "checkpoints").resolve()
+    if checkpoint.resolve().parent != own and latest_checkpoint(run_dir) is not None:
+        raise ConfigError(f"train.resume={resume}: run_dir={run_dir} holds checkpoints of its own run; continue "
+                          "another run's checkpoint in a fresh run_dir, so that the two runs' metrics and "
+                          "checkpoints stay apart")
     if saved["step"] >= cfg.train.max_steps:
         raise ConfigError(f"train.resume: {checkpoint} is at step {saved['step']}, and train.max_steps="
                           f"{cfg.train.max_steps}: raise train.max_steps to train further")

@@ -102,13 +102,18 @@ class Finetune:
         except loading.ModelLoadError as err:
             raise ConfigError(f"model.name_or_path: {err}") from err
         lora = self.cfg.lora
-        model = loading.add_lora(
-            model, fused=lora.fused, attention=cfg.attn_implementation.value == "lorafuse",
-            model_kernels=lora.model_kernels, r=lora.r,
-            lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
-            exclude_modules=lora.exclude_modules, use_rslora=lora.use_rslora, bias=lora.bias)
+        try:
+            model = loading.add_lora(
+                model, fused=lora.fused, attention=cfg.attn_implementation.value == "lorafuse",
+                model_kernels=lora.model_kernels, r=lora.r,
+                lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                exclude_modules=lora.exclude_modules, use_rslora=lora.use_rslora, bias=lora.bias)
+        except ValueError as err:  # PEFT's refusals: no module matches, a module type it cannot adapt, ...
+            raise ConfigError(f"lora (target_modules={lora.target_modules!r}, exclude_modules="
+                              f"{lora.exclude_modules!r}): {err}") from err
         if self.cfg.train.activation_checkpointing:
             loading.enable_activation_checkpointing(model)
+            logger.info("activation checkpointing on: each decoder layer's forward runs again in the backward")
         if self.accelerator.is_main_process:
             trainable, total = loading.parameter_counts(model)
             logger.info("model %s: %s trainable of %s parameters (%.3f%%), weights in %s, attention %s",
@@ -160,6 +165,7 @@ class Finetune:
         gc.freeze()
         if start == 0 and cfg.eval_every:
             self._log_eval(0, log)  # the loss before training: what the rest is measured against
+            window["time"] = time.perf_counter()  # eval time stays out of tokens/s
         self.model.train()
         # disable=None: a bar on a terminal only (the log lines carry the same numbers elsewhere).
         with logging_redirect_tqdm(), tqdm(total=cfg.max_steps, initial=start, disable=None if acc.is_main_process
@@ -249,8 +255,10 @@ class Finetune:
         checkpoint = latest_checkpoint(self.run_dir)
         kept = f"the last good checkpoint, {checkpoint}, is intact" if checkpoint else "no checkpoint was written yet"
         if cfg.on_nonfinite is OnNonFinite.stop:
-            raise NonFiniteLoss(f"{what}: stopped (train.on_nonfinite=stop); {kept}. Lower optim.lr or raise "
-                                "optim.max_grad_norm's strictness, then resume with train.resume=true")
+            raise NonFiniteLoss(f"{what}: stopped (train.on_nonfinite=stop); {kept}. Start again in a new run_dir "
+                                "with a lower optim.lr or a smaller optim.max_grad_norm (a resumed run keeps the "
+                                "checkpoint's optimizer settings), or skip such steps with "
+                                "train.on_nonfinite=skip")
         self.state["skipped_steps"] += 1
         if consecutive >= cfg.max_skipped_steps:
             raise NonFiniteLoss(f"{what}: {consecutive} non-finite steps in a row (train.max_skipped_steps="

@@ -24,14 +24,17 @@ def logits(model, ids):
 def test_default_run_learns_and_leaves_a_peft_adapter(tmp_path):
     """The README's main job: the defaults, plus the merged model. The eval loss falls; the adapter loads in plain
     PEFT (and in lorafuse) to the same logits as the merged model."""
-    run_dir = tmp_path / "run"
+    run_dir, home = tmp_path / "run", tmp_path / "home"
+    home.mkdir()
     # 600 steps: about 2.5 min alone on 2 CPU cores, longer beside the other test worker on a slow CI machine
-    run_recipe(f"run_dir={run_dir}", "train.save_merged=true", timeout=1800)
+    run_recipe(f"run_dir={run_dir}", "train.save_merged=true", home=home, timeout=1800)
     evals = [row["eval_loss"] for row in metrics(run_dir) if "eval_loss" in row]
     assert len(evals) == 7 and evals[-1] < evals[0] - 1.0, evals
     for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json",
-                 "loss_curve.png", "summary.json", "finetune.log", ".hydra/config.yaml", "merged/config.json"):
+                 "loss_curve.png", "summary.json", "finetune.log", "merged/config.json"):
         assert (run_dir / name).is_file(), name
+    assert len(list(run_dir.glob(".hydra/*/config.yaml"))) == 1  # a folder per launch
+    assert list(home.iterdir()) == []  # nothing written outside the run directory (matplotlib's cache included)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000400", "step-000600"]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -90,6 +93,12 @@ def test_resume_from_an_explicit_checkpoint_directory(tmp_path):
     (["train.eval_batches=0"], "train.eval_batches=0: must be > 0"),
     (["data.packing=true", "model.attn_implementation=sdpa"], "data.packing=true needs model.attn_implementation=lorafuse"),
     (["data.max_samples=10", "train.batch_size=16"], "10 training rows are fewer than one global batch of 16"),
+    (["optim.betas=[1.5,0.9]"], "optim.betas=[1.5, 0.9]: two numbers in [0, 1)"),
+    (["optim.eps=-1"], "optim.eps=-1.0: must be >= 0"),
+    (["lora.target_modules=[nope]"], "Target modules {'nope'} not found in the base model"),
+    (["data=alpaca"], "data.path has no value and needs one: set data.path=<value>"),
+    (["data.input_column=inptu"], "needs column(s) ['inptu'], found columns ['instruction', 'input', 'output']"),
+    (["data.path=no_such_dataset_name"], "data.path=no_such_dataset_name: no local file or directory of that name"),
 ])
 def test_bad_config_stops_at_start_up_with_a_clear_message(tmp_path, overrides, expected):
     cwd, home, run_dir = tmp_path / "cwd", tmp_path / "home", tmp_path / "run"
@@ -103,29 +112,55 @@ def test_bad_config_stops_at_start_up_with_a_clear_message(tmp_path, overrides, 
 
 
 def test_a_run_directory_is_continued_only_as_the_same_run(tmp_path):
-    run_dir = tmp_path / "run"
+    run_dir, other = tmp_path / "run", tmp_path / "other"
     run_recipe(*QUICK, f"run_dir={run_dir}")
+    run_recipe(*QUICK, "train.max_steps=2", f"run_dir={other}")
+    first_config = next(run_dir.glob(".hydra/*/config.yaml")).read_text()
     refusals = [
         ([], "already holds checkpoints: continue that run with train.resume=true"),
         (["train.resume=true"], "is at step 6, and train.max_steps=6: raise train.max_steps"),
         (["train.resume=true", "train.max_steps=8", "optim.lr=1e-4"], "optim.lr: 0.005 in the checkpoint, 0.0001 now"),
         (["train.resume=true", "train.max_steps=8", "train.grad_accum=1"], "global batch"),
+        (["train.resume=true", "train.max_steps=8", "model.random_init=true"], "model.random_init: False in the "
+                                                                               "checkpoint, True now"),
         ([f"train.resume={run_dir}", "train.max_steps=8"], "not a checkpoint"),
+        ([f"train.resume={other}/checkpoints/step-000002", "train.max_steps=8"], "holds checkpoints of its own run"),
     ]
     for overrides, expected in refusals:
         run = run_recipe(*QUICK, f"run_dir={run_dir}", *overrides, check=False, timeout=120)
         output = run.stdout + run.stderr
         assert run.returncode == 2 and expected in output and "Traceback" not in output, (overrides, output[-2000:])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000006"]
+    # every launch kept its config beside the others: the first one's is as it was
+    configs = sorted(run_dir.glob(".hydra/*/config.yaml"))
+    assert len(configs) > 1 and configs[0].read_text() == first_config
 
 
 def test_activation_checkpointing_recomputes_the_same_step(tmp_path):
-    """Same losses and gradient norms with and without it: the recomputed forward draws the same dropout masks."""
+    """Same losses and gradient norms with and without it: the recomputed forward draws the same dropout masks
+    (tests/hf/test_loading.py checks that the forward does run again)."""
     rows = []
     for flag in ("false", "true"):
-        run_recipe(*QUICK, "train.max_steps=3", f"train.activation_checkpointing={flag}", f"run_dir={tmp_path / flag}")
+        run = run_recipe(*QUICK, "train.max_steps=3", f"train.activation_checkpointing={flag}",
+                         f"run_dir={tmp_path / flag}")
+        assert ("activation checkpointing on" in run.stdout + run.stderr) == (flag == "true")
         rows.append([(row["loss"], row["grad_norm"]) for row in train_rows(tmp_path / flag).values()])
     assert rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("data_format,content,expected", [
+    ("demo", "", "holds no rows (bad.jsonl: an empty file)"),
+    ("demo", '{"instruction": "x", "output": \n', "could not be read as json"),
+    ("demo_chat", '{"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}\n',
+     'each message needs a "role" and a "content" string'),
+])
+def test_unreadable_data_names_the_file_or_the_column(tmp_path, data_format, content, expected):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(content)
+    run = run_recipe(f"data={data_format}", f"data.path={data}", "data.eval_fraction=0", "train.batch_size=1",
+                     f"run_dir={tmp_path / 'run'}", check=False, timeout=120)
+    output = run.stdout + run.stderr
+    assert run.returncode == 2 and expected in output and "Traceback" not in output, output[-2000:]
 
 
 def test_a_missing_column_names_the_file_the_columns_and_the_key(tmp_path):
@@ -149,6 +184,7 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
     assert run.returncode == 2
     assert "step 2: loss" in run.stderr + run.stdout
     assert "stopped (train.on_nonfinite=stop)" in run.stderr + run.stdout
+    assert "Start again in a new run_dir with a lower optim.lr" in run.stderr + run.stdout
     assert latest_checkpoint(run_dir).name == "step-000001"
     assert json.loads((latest_checkpoint(run_dir) / "trainer_state.json").read_text())["step"] == 1
 
