@@ -125,11 +125,15 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    """Flushes every file of `root` to disk, so that the rename never publishes data still in the page cache."""
+    """Flushes every file of `root` to disk, and every directory's entries, so that the rename never publishes
+    data or names still in the page cache."""
     for path in root.rglob("*"):
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+        elif path.is_dir():
+            _fsync_dir(path)
+    _fsync_dir(root)
 
 
 def _fsync_dir(path: Path) -> None:
