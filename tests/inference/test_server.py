@@ -383,11 +383,16 @@ def test_a_bad_length_or_a_body_too_deep_gets_a_400(server, headers, raw):
     assert post(server, "/v1/completions", {"prompt": "still here", "max_tokens": 2})[0] == 200
 
 
-@pytest.mark.parametrize("path,body", [("/v1/complete", {"prompt": "x"}),
-                                       ("/v1/completions", {"prompt": "x" * (2 << 20)})])
-def test_a_refused_body_closes_the_connection_and_the_next_request_gets_its_own_answer(server, tokenizer, path, body):
+@pytest.mark.parametrize("path,length", [("/v1/complete", None), ("/v1/completions", 2 << 20)])
+def test_a_refused_body_closes_the_connection_and_the_next_request_gets_its_own_answer(server, tokenizer, path,
+                                                                                      length):
+    # length: a Content-Length past the server's limit, the body not sent (the server answers from the header; a
+    # client still sending a body that large may see the connection closed under it)
     connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
-    connection.request("POST", path, json.dumps(body))
+    body = json.dumps({"prompt": "x"}).encode()
+    connection.putrequest("POST", path)
+    connection.putheader("Content-Length", str(length or len(body)))
+    connection.endheaders(None if length else body)
     response = connection.getresponse()
     assert response.status in (404, 413) and response.getheader("Connection") == "close"
     response.read()
