@@ -107,7 +107,7 @@ def _load_files(files: list[Path], key: str, path: str, cache_dir: str | None) -
         options = _csv_options(files[0]) if builder == "csv" else {}
         return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir,
                                      **options)
-    except Exception as err:  # noqa: BLE001 - an empty or malformed file: its name, and what the reader said
+    except Exception as err:  # noqa: BLE001 - a malformed file: its name, and what the reader said
         cause = err.__cause__ or err  # datasets wraps the reader's error in a DatasetGenerationError
         raise DataError(f"{key}: {path} could not be read as {builder}: {type(cause).__name__}: {cause}") from err
 

@@ -7,7 +7,7 @@ adapter and optimizer state (`fixed_settings`), and have steps left.
 from enum import Enum
 from pathlib import Path
 
-from .checkpoint import latest_checkpoint, read_trainer_state
+from .checkpoint import checkpoints_dir, latest_checkpoint, read_trainer_state
 from .config import ConfigError, FinetuneConfig
 
 
@@ -44,8 +44,7 @@ def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> 
     if saved is None:
         raise ConfigError(f"train.resume={resume}: not a checkpoint (a step-N directory under "
                           "<run_dir>/checkpoints, holding trainer_state.json)")
-    own = (run_dir / "checkpoints").resolve()
-    if checkpoint.resolve().parent != own and latest_checkpoint(run_dir) is not None:
+    if checkpoint.resolve().parent != checkpoints_dir(run_dir).resolve() and latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"train.resume={resume}: run_dir={run_dir} holds checkpoints of its own run; continue "
                           "another run's checkpoint in a fresh run_dir, so that the two runs' metrics and "
                           "checkpoints stay apart")
