@@ -22,9 +22,11 @@ Providers:
                       batch on the adapters in turn (batch 1: the first): the cost of serving several at once
   copy                a 2 GiB device-to-device copy (read + write bytes per second): the bandwidth yardstick
 
-Per decode step: (time of G new tokens - time of 1 new token) / (G - 1), so the prefill is left out; each the
-fastest of 5 timed calls, the G-token and 1-token calls alternating, after a warm-up call (hf_eager: one timed
-call of each; until 2026-11-25 the median of 3, one kind of call after the other). GBps = bytes of the base weights
+Per decode step, the prefill left out: lorafuse's engines, the time from a call's first token on the host to its
+last / (G - 1) (the engine streams its tokens); transformers, (time of G new tokens - time of 1 new token) /
+(G - 1), the two calls alternating. Each the fastest of 5 timed calls after a warm-up call (hf_eager: one timed
+call of each). Until 2026-11-25 every provider took the difference, the median of 3 calls; the unmerged engine's
+eager prefill made it jitter by up to 25 % (NOTES_decode.md). GBps = bytes of the base weights
 (embedding counted once, tied as the lm_head) / time per step. Rows: <out>/decode.csv (bench and mode
 `decode`, shape `llama1B_B1_P128_G256`, metrics tokens_per_s = batch * G / time of the G-token call, GBps,
 capture_s), baseline hf_eager, ratio = time per step / hf_eager's.
@@ -108,8 +110,9 @@ def fastest_seconds(many, one, rounds: int) -> tuple[float, float]:
 
 
 def hf_provider(model, ids, new: int, compiled: bool):
-    """(time of `new` tokens, time of 1 token, first-call seconds when compiled) for transformers' greedy generate;
-    eager generate is slow and steady: timed once."""
+    """(time of `new` tokens, time per decode step, first-call seconds when compiled) for transformers' greedy
+    generate; per step = (time of `new` tokens - time of 1 token) / (new - 1). Eager generate is slow and steady:
+    timed once."""
     extra = {"cache_implementation": "static"} if compiled else {}
 
     def run(n):
@@ -120,20 +123,36 @@ def hf_provider(model, ids, new: int, compiled: bool):
     run(1)
     torch.cuda.synchronize()
     first_call = time.perf_counter() - start
-    return (*fastest_seconds(lambda: run(new), lambda: run(1), rounds=5 if compiled else 1),
-            first_call if compiled else None)
+    many, one = fastest_seconds(lambda: run(new), lambda: run(1), rounds=5 if compiled else 1)
+    return many, (many - one) / (new - 1), first_call if compiled else None
+
+
+def decode_seconds(engine: Engine, prompts, params: SamplingParams, adapters) -> tuple[float, float]:
+    """(seconds of a whole generate call, seconds from its first token on the host to its last). The engine yields
+    the first token right after the prefill, then every `check_every` steps (each yield has read the tokens, so the
+    GPU is done with them): the second figure holds the new - 1 decode steps and their host reads, no prefill."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    first = None
+    for _ in engine.stream(prompts, params, adapters):
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return end - start, end - first
 
 
 def engine_provider(engine: Engine, prompts, new: int):
-    """(time of `new` tokens, time of 1 token, capture seconds) for lorafuse's engine, greedy; with an adapter
-    bank the rows take its adapters in turn."""
-    many, one = SamplingParams(max_new_tokens=new), SamplingParams(max_new_tokens=1)
+    """(time of `new` tokens, time per decode step, capture seconds) for lorafuse's engine, greedy; with an adapter
+    bank the rows take its adapters in turn. Per step: the decode phase of a call (`decode_seconds`) / (new - 1),
+    the fastest of 5 calls. The prefill is left out by timing, not by subtracting a 1-token call: an unmerged
+    adapter's prefill runs eagerly on the host, and its 20-70 ms of jitter moved the difference by 25 % in 64-token
+    runs (NOTES_decode.md, 2026-11-25)."""
+    params = SamplingParams(max_new_tokens=new)
     names = engine.adapter_names
     adapters = [names[i % len(names)] for i in range(len(prompts))] if len(names) > 1 else None
-    engine.generate(prompts, many, adapters=adapters)  # warm-up
-    return (*fastest_seconds(lambda: engine.generate(prompts, many, adapters=adapters),
-                             lambda: engine.generate(prompts, one, adapters=adapters), rounds=5),
-            engine.capture_seconds)
+    decode_seconds(engine, prompts, params, adapters)  # warm-up
+    calls = [decode_seconds(engine, prompts, params, adapters) for _ in range(5)]
+    return min(total for total, _ in calls), min(steps for _, steps in calls) / (new - 1), engine.capture_seconds
 
 
 def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, hf_step: bool, bank: int, tags: dict,
@@ -160,7 +179,7 @@ def bench_shape(shape: str, batches, new: int, compiled: bool, profile: bool, hf
             results["hf_static_compiled"] = hf_provider(base, ids, new, compiled=True)
         for provider, engine in engines.items():
             results[provider] = engine_provider(engine, prompts, new)
-        per_step = {p: (total - first) / (new - 1) for p, (total, first, _) in results.items()}
+        per_step = {p: step for p, (_, step, _) in results.items()}
         for provider, (total, _, capture) in results.items():
             common = dict(tags, bench="decode", shape=key, provider=provider, mode="decode",
                           median_ms=1000 * per_step[provider], p20_ms="", p80_ms="", baseline="hf_eager",

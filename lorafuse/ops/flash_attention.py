@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._logging import log_once
 from ._tiles import dot_precision
 from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
-                               tile_ranges)
+                               tile_ranges, window_bounds)
 from .attention_windows import AttentionWindows, UnpaddedWindows, allowed_keys
 from .flash_decode import fits_decode, flash_decode
 
@@ -120,7 +120,7 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
 def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                      n_q, n_k, n_heads, group, qk_scale,
-                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, STORE_LSE: tl.constexpr,
+                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PER_ROW: tl.constexpr, STORE_LSE: tl.constexpr,
                      HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr, TMA: tl.constexpr):
     # grid: (query tiles, B * Hq); q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (TMA descriptors when TMA)
@@ -140,17 +140,18 @@ def _attn_fwd_kernel(Q, K, V, OUT, LSE, KEY_LO, KEY_HI,
 
     diag = n_k - n_q
     klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-    lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, diag, CAUSAL, BLOCK_N)
+    lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, n_q, n_k, diag, WINDOWED,
+                               CAUSAL, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
-                               qk_scale, True, CAUSAL, False, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, True, CAUSAL, False, PER_ROW, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f1, f2, n_k, diag,
-                               qk_scale, False, CAUSAL, False, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, False, CAUSAL, False, PER_ROW, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, f2, hi, n_k, diag,
-                               qk_scale, True, CAUSAL, False, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, True, CAUSAL, False, PER_ROW, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
 
     empty = l_i == 0.0  # no key at all: output zeros, and lse = inf makes every P zero
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -215,10 +216,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_LO, KEY_HI, QUERY
     else:
         qlo = tl.where(offs_n < n_k, 0, n_q)
         qhi = tl.where(offs_n < n_k, n_q, 0)
-    lo = tl.min(qlo, 0)
-    hi = tl.max(qhi, 0)
-    full_lo = tl.max(qlo, 0)
-    full_hi = tl.min(qhi, 0)
+    lo, hi, full_lo, full_hi = window_bounds(qlo, qhi, pid_n * BLOCK_N, pid_n * BLOCK_N + BLOCK_N - 1, n_k, n_q,
+                                             WINDOWED)
     if CAUSAL:
         lo = tl.maximum(lo, pid_n * BLOCK_N - diag)
         full_lo = tl.maximum(full_lo, (pid_n + 1) * BLOCK_N - 1 - diag)
@@ -301,7 +300,8 @@ def _attn_bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
 
     diag = n_k - n_q
     klo, khi = query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED)
-    lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, diag, CAUSAL, BLOCK_N)
+    lo, f1, f2, hi = key_range(klo, khi, pid_m * BLOCK_M, pid_m * BLOCK_M + BLOCK_M - 1, n_q, n_k, diag, WINDOWED,
+                               CAUSAL, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, b, hk, skn, svn, offs_m, offs_d, klo, khi, lo, f1, n_k, diag,
@@ -412,12 +412,15 @@ def _flash_forward(q, k, v, causal, scale, windows, store_lse):
                             _descriptor(v, config["BLOCK_N"], d_tile))
     else:
         q_in, k_in, v_in = q, k, v
+    # Without windows the masked tiles may test keys instead of rows (allowed_tile's PER_ROW): the causal forward
+    # runs 0.8 % faster so (H100), the non-causal one 4 % slower (H200)
     _attn_fwd_kernel[grid](
         q_in, k_in, v_in, out, lse, key_lo, key_hi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
-        CAUSAL=causal, WINDOWED=windows is not None, STORE_LSE=store_lse, HEAD_DIM=d, D_TILE=d_tile,
+        CAUSAL=causal, WINDOWED=windows is not None, PER_ROW=windows is not None or not causal, STORE_LSE=store_lse,
+        HEAD_DIM=d, D_TILE=d_tile,
         PRECISION=dot_precision(q.dtype), TMA=tma, **config)
     return out, lse
 

@@ -63,7 +63,7 @@ def _decode_chunk_kernel(Q, K, V, PART_O, PART_LSE, KEY_LO, KEY_HI,
         V += b.to(tl.int64) * svb + hk * svh
 
     diag = n_k - n_q
-    lo, f1, f2, hi = key_range(klo, khi, 0, n_q - 1, diag, CAUSAL, BLOCK_N)
+    lo, f1, f2, hi = key_range(klo, khi, 0, n_q - 1, n_q, n_k, diag, WINDOWED, CAUSAL, BLOCK_N)
     # this program's chunk of keys (chunk is a multiple of BLOCK_N)
     c_lo = split * chunk
     c_hi = c_lo + chunk
@@ -76,11 +76,11 @@ def _decode_chunk_kernel(Q, K, V, PART_O, PART_LSE, KEY_LO, KEY_HI,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_TILE], tl.float32)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, qi, offs_d, klo, khi, lo, f1, n_k, diag,
-                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, True, CAUSAL, WINDOWED, True, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, qi, offs_d, klo, khi, f1, f2, n_k, diag,
-                               qk_scale, False, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, False, CAUSAL, WINDOWED, True, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K, V, b, hk, skn, svn, qi, offs_d, klo, khi, f2, hi, n_k, diag,
-                               qk_scale, True, CAUSAL, WINDOWED, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
+                               qk_scale, True, CAUSAL, WINDOWED, True, HEAD_DIM, D_TILE, BLOCK_N, PRECISION, TMA)
 
     empty = l_i == 0.0  # no key of this chunk: weight zero in the merge
     part_row = ((b * n_heads + head) * n_q + qi).to(tl.int64) * n_chunks + split
