@@ -17,7 +17,8 @@ from ._tiles import dot_precision, sm_count, split_in_blocks
 from ._attention_tiles import LOG2_E, fwd_tiles, key_range
 
 MAX_ROWS = 64       # group x Nq rows stacked in one tile at most
-BLOCK_N = 64        # keys per tile
+BLOCK_N = 128       # keys per tile
+NUM_WARPS, NUM_STAGES = 4, 2  # of the chunk kernel (with BLOCK_N: the best of nine on an H100, NOTES_decode.md)
 PROGRAMS_PER_SM = 2
 
 
@@ -136,7 +137,7 @@ def flash_decode(q, k, v, causal, scale, windows, use_tma):
         v.stride(0), v.stride(1), v.stride(2), n_q, n_k, n_kv_heads, group, chunk, n_chunks, scale * LOG2_E,
         CAUSAL=causal, WINDOWED=windows is not None, HEAD_DIM=d, D_TILE=d_tile,
         BLOCK_M=max(16, triton.next_power_of_2(group * n_q)), BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype),
-        TMA=use_tma, num_warps=4, num_stages=3)
+        TMA=use_tma, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _decode_merge_kernel[(b * n_heads * n_q,)](
         part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), n_q, n_heads, n_chunks,
         HEAD_DIM=d, D_TILE=d_tile, CHUNKS=triton.next_power_of_2(n_chunks))
