@@ -420,8 +420,7 @@ def _flash_forward(q, k, v, causal, scale, windows, store_lse):
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
         CAUSAL=causal, WINDOWED=windows is not None, PER_ROW=windows is not None or not causal, STORE_LSE=store_lse,
-        HEAD_DIM=d, D_TILE=d_tile,
-        PRECISION=dot_precision(q.dtype), TMA=tma, **config)
+        HEAD_DIM=d, D_TILE=d_tile, PRECISION=dot_precision(q.dtype), TMA=tma, **config)
     return out, lse
 
 
