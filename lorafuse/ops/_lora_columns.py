@@ -10,18 +10,30 @@ import triton.language as tl
 
 
 def rank_tile(*ranks: int) -> int:
-    """R for columns_with_lora: the largest rank rounded up to a power of two, 0 when no projection has an adapter
+    """R for lora_b_rows and columns_with_lora: the largest rank rounded up to a power of two, 0 when no projection has an adapter
     (the expand is then compiled out)."""
     return triton.next_power_of_2(max(ranks)) if max(ranks) > 0 else 0
 
 
 @triton.jit
-def columns_with_lora(row_ptr, cols, b_ptr, b_rows, stride_b, rank, s_col, scale, mult_ptr, mask, R: tl.constexpr,
+def lora_b_rows(b_ptr, b_rows, stride_b, rank, mask, R: tl.constexpr):
+    # B[b_rows] as one [columns, R] tile, zero past `rank` and where ~mask; R: rank_tile (0: no adapter, B unread, a
+    # placeholder 0.0). Rows of B are contiguous, so the loads coalesce. The kernels load it before they wait for
+    # the kernel before them (_dependent_launch.py): no kernel of a decode step writes B.
+    tile = 0.0
+    if R > 0:
+        ranks = tl.arange(0, R)
+        tile = tl.load(b_ptr + b_rows[:, None] * stride_b + ranks[None, :],
+                       mask=mask[:, None] & (ranks < rank)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def columns_with_lora(row_ptr, cols, b, rank, s_col, scale, mult_ptr, mask, R: tl.constexpr,
                       ROW_SCALES: tl.constexpr):
-    # row[cols] + scale * s B[b_rows]^T in fp32, s = row[s_col:s_col + rank]; R: rank_tile (0: no adapter, B
-    # unread). B's rows are read whole, as one [columns, R] tile: rows of B are contiguous, so the loads coalesce.
-    # ROW_SCALES: the row's own scale per s column (mult[:rank]) instead of `scale`; a 0 drops that column (an adapter
-    # of the bank that this row does not use).
+    # row[cols] + scale * s b^T in fp32, s = row[s_col:s_col + rank]; b: lora_b_rows of these columns (R = 0: no
+    # adapter). ROW_SCALES: the row's own scale per s column (mult[:rank]) instead of `scale`; a 0 drops that column
+    # (an adapter of the bank that this row does not use).
     x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if R > 0:
         ranks = tl.arange(0, R)
@@ -30,8 +42,6 @@ def columns_with_lora(row_ptr, cols, b_ptr, b_rows, stride_b, rank, s_col, scale
             s *= tl.load(mult_ptr + ranks, mask=ranks < rank, other=0.0)
         else:
             s *= scale
-        b = tl.load(b_ptr + b_rows[:, None] * stride_b + ranks[None, :], mask=mask[:, None] & (ranks < rank)[None, :],
-                    other=0.0)
         x += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
     return x
 

@@ -15,6 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._tiles import dot_precision, sm_count, split_in_blocks
 from ._attention_tiles import LOG2_E, fwd_tiles, key_range
+from ._dependent_launch import launch_options, wait_for_inputs
 
 MAX_ROWS = 64       # group x Nq rows stacked in one tile at most
 BLOCK_N = 128       # keys per tile
@@ -34,9 +35,10 @@ def _decode_chunk_kernel(Q, K, V, PART_O, PART_LSE, KEY_LO, KEY_HI,
                          n_q, n_k, n_kv_heads, group, chunk, n_chunks, qk_scale,
                          CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, TMA: tl.constexpr):
+                         PRECISION: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
     # grid: (key chunks, B * Hkv). Row r of the tile is query r % Nq of head hk * group + r // Nq.
     # PART_O: [B, Hq, Nq, chunks, D] fp32 (normalised within the chunk), PART_LSE: [B, Hq, Nq, chunks]
+    wait_for_inputs(PDL)
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // n_kv_heads
@@ -93,8 +95,9 @@ def _decode_chunk_kernel(Q, K, V, PART_O, PART_LSE, KEY_LO, KEY_HI,
 
 @triton.jit
 def _decode_merge_kernel(PART_O, PART_LSE, OUT, sob, soh, som, n_q, n_heads, n_chunks,
-                         HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, CHUNKS: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, D_TILE: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
     # grid: (B * Hq * Nq,): out = sum_c 2^(lse_c - max) o_c / sum_c 2^(lse_c - max)
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     i = row % n_q
     h = (row // n_q) % n_heads
@@ -137,8 +140,8 @@ def flash_decode(q, k, v, causal, scale, windows, use_tma):
         v.stride(0), v.stride(1), v.stride(2), n_q, n_k, n_kv_heads, group, chunk, n_chunks, scale * LOG2_E,
         CAUSAL=causal, WINDOWED=windows is not None, HEAD_DIM=d, D_TILE=d_tile,
         BLOCK_M=max(16, triton.next_power_of_2(group * n_q)), BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype),
-        TMA=use_tma, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        TMA=use_tma, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))
     _decode_merge_kernel[(b * n_heads * n_q,)](
         part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), n_q, n_heads, n_chunks,
-        HEAD_DIM=d, D_TILE=d_tile, CHUNKS=triton.next_power_of_2(n_chunks))
+        HEAD_DIM=d, D_TILE=d_tile, CHUNKS=triton.next_power_of_2(n_chunks), **launch_options(q.device))
     return out

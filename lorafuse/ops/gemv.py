@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dependent_launch import launch_options, wait_for_inputs
+
 
 def gemv_reference(x, weight, bias=None, out=None):
     # x: [1, K], weight: [N, K], bias: [N] or None, out: [1, N] or None
@@ -58,9 +60,11 @@ def _weight_rows(x_ptr, w_ptr, bias_ptr, y_ptr, block, N, K, stride_wn, HAS_BIAS
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, bias_ptr, y_ptr, a_ptr, s_ptr, N, K, rank, stride_wn, stride_ar, HAS_BIAS: tl.constexpr,
-          SHRINK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+          SHRINK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+          PDL: tl.constexpr):
     # x: [K], W: [N, K], bias: [N], y: [N]; with SHRINK also s = A . x in fp32 (A: [rank, K], row stride stride_ar,
     # s: [rank]) by the programs after W's: one launch gives the base output and the LoRA shrink.
+    wait_for_inputs(PDL)
     block = tl.program_id(0)
     w_blocks = tl.cdiv(N, BLOCK_N)
     if SHRINK:
@@ -93,7 +97,7 @@ def _launch(x, weight, bias, y, lora_A, s):
     _gemv[(triton.cdiv(N, block_n) + triton.cdiv(rank, block_n),)](
         x, weight, bias, y, lora_A, s, N, K, rank, weight.stride(0), 0 if lora_A is None else lora_A.stride(0),
         HAS_BIAS=bias is not None, SHRINK=lora_A is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=N % block_n == 0 and K % block_k == 0, num_warps=4, num_stages=2)
+        EVEN=N % block_n == 0 and K % block_k == 0, num_warps=4, num_stages=2, **launch_options(x.device))
 
 
 def gemv(x, weight, bias=None, out=None):

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import columns_with_lora, projections_reference, rank_tile, row_scales_args
+from ._dependent_launch import launch_options, wait_for_inputs
+from ._lora_columns import columns_with_lora, lora_b_rows, projections_reference, rank_tile, row_scales_args
 from .rms_norm import MAX_WIDTH, rms_norm_reference, row_warps
 
 LORA_BLOCK = 256  # columns per program with an adapter
@@ -49,7 +50,7 @@ def _store_normed(x, cols, mask, res_ptr, w_ptr, out_ptr, row, N, stride_out, su
 def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count_ptr, mult_ptr, N, rank, stride_proj,
                        stride_b, stride_res, stride_out, stride_mult, scale, eps, BLOCK: tl.constexpr,
                        BLOCK_N: tl.constexpr, PARTS: tl.constexpr, DEFER: tl.constexpr, R: tl.constexpr,
-                       ROW_SCALES: tl.constexpr):
+                       ROW_SCALES: tl.constexpr, PDL: tl.constexpr):
     # grid: (M, programs per row), BLOCK columns each; PARTS: a power of two >= programs per row, 1 when a program
     # takes the whole row (BLOCK = BLOCK_N). proj: [M, N + rank], B: [N, rank], residual, out: [M, N] (unit column
     # strides); part: fp32 [M, PARTS] and count: int32 [M], zero (both unread when PARTS = 1). DEFER: out <- h * w,
@@ -57,8 +58,10 @@ def _lora_add_rms_norm(proj_ptr, b_ptr, res_ptr, w_ptr, out_ptr, part_ptr, count
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    h = columns_with_lora(proj_ptr + row * stride_proj, cols, b_ptr, cols, stride_b, rank, N, scale,
-                          mult_ptr + row * stride_mult, mask, R, ROW_SCALES)
+    b = lora_b_rows(b_ptr, cols, stride_b, rank, mask, R)
+    wait_for_inputs(PDL)
+    h = columns_with_lora(proj_ptr + row * stride_proj, cols, b, rank, N, scale, mult_ptr + row * stride_mult, mask, R,
+                          ROW_SCALES)
     h += tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     h = h.to(res_ptr.dtype.element_ty)
     tl.store(res_ptr + row * stride_res + cols, h, mask=mask)
@@ -127,5 +130,5 @@ def lora_add_rms_norm(proj, lora_B, scale, residual, weight, eps, normed, defer=
         proj, proj if lora_B is None else lora_B, residual, weight, normed, *split, mult, N, rank,
         proj.stride(0), 0 if lora_B is None else lora_B.stride(0), residual.stride(0), normed.stride(0), stride_mult,
         float(scale), float(eps), BLOCK=columns, BLOCK_N=block, PARTS=parts, DEFER=defer, R=r_tile,
-        ROW_SCALES=per_row, num_warps=4 if programs > 1 else row_warps(block))
+        ROW_SCALES=per_row, num_warps=4 if programs > 1 else row_warps(block), **launch_options(proj.device))
     return (split[0], N, eps) if defer else None

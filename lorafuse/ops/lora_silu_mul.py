@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import (columns_with_lora, deferred_parts, projections_reference, rank_tile, row_rstd,
+from ._dependent_launch import launch_options, wait_for_inputs
+from ._lora_columns import (columns_with_lora, deferred_parts, lora_b_rows, projections_reference, rank_tile, row_rstd,
                             row_scales_args)
 from .silu_mul import silu_mul_reference
 
@@ -31,19 +32,21 @@ def lora_silu_mul_reference(proj, lora_B, scales, out, bias=None, row_norm=None,
 def _lora_silu_mul(proj_ptr, bg_ptr, bu_ptr, bias_ptr, parts_ptr, out_ptr, mult_ptr, width, rank_g, rank_u,
                    stride_proj, stride_bg, stride_bu, stride_out, stride_mult, scale_g, scale_u, programs, norm_width,
                    eps, BLOCK: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr,
-                   ROW_SCALES: tl.constexpr):
+                   ROW_SCALES: tl.constexpr, PDL: tl.constexpr):
     # grid: (M, column blocks); proj: [M, 2 width + rank_g + rank_u], B_g: [width, rank_g], B_u: [width, rank_u];
     # bias: [2 width] (HAS_BIAS); parts: [M, programs] sums of squares of a deferred norm (PARTS > 0)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
+    b_gate = lora_b_rows(bg_ptr, cols, stride_bg, rank_g, mask, R)
+    b_up = lora_b_rows(bu_ptr, cols, stride_bu, rank_u, mask, R)
+    wait_for_inputs(PDL)
     proj = proj_ptr + row * stride_proj
     rstd = row_rstd(parts_ptr, row, programs, norm_width, eps, PARTS)
     mult = mult_ptr + row * stride_mult  # the row's scales of [s_g | s_u] (ROW_SCALES)
-    gate = rstd * columns_with_lora(proj, cols, bg_ptr, cols, stride_bg, rank_g, 2 * width, scale_g, mult, mask, R,
-                                    ROW_SCALES)
-    up = rstd * columns_with_lora(proj, width + cols, bu_ptr, cols, stride_bu, rank_u, 2 * width + rank_g, scale_u,
-                                  mult + rank_g, mask, R, ROW_SCALES)
+    gate = rstd * columns_with_lora(proj, cols, b_gate, rank_g, 2 * width, scale_g, mult, mask, R, ROW_SCALES)
+    up = rstd * columns_with_lora(proj, width + cols, b_up, rank_u, 2 * width + rank_g, scale_u, mult + rank_g, mask, R,
+                                  ROW_SCALES)
     if HAS_BIAS:
         gate += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         up += tl.load(bias_ptr + width + cols, mask=mask, other=0.0).to(tl.float32)
@@ -72,4 +75,5 @@ def lora_silu_mul(proj: torch.Tensor, lora_B, scales, out: torch.Tensor, bias=No
     _lora_silu_mul[(M, triton.cdiv(width, block))](
         proj, *bs, proj if bias is None else bias, parts, out, mult, width, *ranks, proj.stride(0),
         *(B.stride(0) for B in bs), out.stride(0), stride_mult, *map(float, scales), programs, norm_width, eps,
-        BLOCK=block, R=r_tile, HAS_BIAS=bias is not None, PARTS=parts_tile, ROW_SCALES=per_row, num_warps=4)
+        BLOCK=block, R=r_tile, HAS_BIAS=bias is not None, PARTS=parts_tile, ROW_SCALES=per_row, num_warps=4,
+        **launch_options(proj.device))

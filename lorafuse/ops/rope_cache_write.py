@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lora_columns import (columns_with_lora, deferred_parts, projections_reference, rank_tile, row_rstd,
+from ._dependent_launch import launch_options, wait_for_inputs
+from ._lora_columns import (columns_with_lora, deferred_parts, lora_b_rows, projections_reference, rank_tile, row_rstd,
                             row_scales_args)
 
 
@@ -50,14 +51,19 @@ def rotated(x, cos, sin):
 
 
 @triton.jit
-def _head_halves(row_ptr, col, b_ptr, stride_b, b_row, rank, s_col, scale, mult_ptr, rstd, bias_ptr, offs, mask,
+def _b_halves(b_ptr, stride_b, b_row, rank, offs, mask, HALF_D: tl.constexpr, R: tl.constexpr):
+    # the rows of B of one head's two halves (rows b_row... of B), as lora_b_rows tiles
+    return (lora_b_rows(b_ptr, b_row + offs, stride_b, rank, mask, R),
+            lora_b_rows(b_ptr, b_row + HALF_D + offs, stride_b, rank, mask, R))
+
+
+@triton.jit
+def _head_halves(row_ptr, col, b1, b2, rank, s_col, scale, mult_ptr, rstd, bias_ptr, offs, mask,
                  HALF_D: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SCALES: tl.constexpr):
-    # the head at columns [col, col + 2 HALF_D) of one GEMM row plus its adapter's expand (rows b_row... of B), times
+    # the head at columns [col, col + 2 HALF_D) of one GEMM row plus its adapter's expand (b1, b2: _b_halves), times
     # the row's rstd (1 without a deferred norm), plus the bias: its two halves in fp32
-    x1 = rstd * columns_with_lora(row_ptr, col + offs, b_ptr, b_row + offs, stride_b, rank, s_col, scale, mult_ptr,
-                                  mask, R, ROW_SCALES)
-    x2 = rstd * columns_with_lora(row_ptr, col + HALF_D + offs, b_ptr, b_row + HALF_D + offs, stride_b, rank, s_col,
-                                  scale, mult_ptr, mask, R, ROW_SCALES)
+    x1 = rstd * columns_with_lora(row_ptr, col + offs, b1, rank, s_col, scale, mult_ptr, mask, R, ROW_SCALES)
+    x2 = rstd * columns_with_lora(row_ptr, col + HALF_D + offs, b2, rank, s_col, scale, mult_ptr, mask, R, ROW_SCALES)
     if HAS_BIAS:
         x1 += tl.load(bias_ptr + col + offs, mask=mask, other=0.0).to(tl.float32)
         x2 += tl.load(bias_ptr + col + HALF_D + offs, mask=mask, other=0.0).to(tl.float32)
@@ -82,7 +88,8 @@ def _rope_cache_write(qkv_ptr, bq_ptr, bk_ptr, bv_ptr, cos_ptr, sin_ptr, qn_ptr,
                       stride_vn, n_heads,
                       n_kv_heads, rank_q, rank_k, rank_v, scale_q, scale_k, scale_v, eps, programs, norm_width,
                       norm_eps, stride_mult, HALF_D: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr,
-                      R: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr, ROW_SCALES: tl.constexpr):
+                      R: tl.constexpr, HAS_BIAS: tl.constexpr, PARTS: tl.constexpr, ROW_SCALES: tl.constexpr,
+                      PDL: tl.constexpr):
     # grid: (B, Hq + Hkv). Programs h < Hq take query head h; the others key/value head h - Hq. bias: [Nq + 2 Nkv]
     # (HAS_BIAS); parts: [B, programs] sums of squares of a deferred norm (PARTS > 0); mult: [B, r_q + r_k + r_v]
     # per-row scales of the s columns (ROW_SCALES)
@@ -90,36 +97,44 @@ def _rope_cache_write(qkv_ptr, bq_ptr, bk_ptr, bv_ptr, cos_ptr, sin_ptr, qn_ptr,
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF_D
+    head_dim = 2 * HALF_D
+    hk = h - n_heads
+    # the adapters' rows of B for this program's heads, before the wait (see lora_b_rows): q's, or k's and v's
+    if h < n_heads:
+        b1, b2 = _b_halves(bq_ptr, stride_bq, h * head_dim, rank_q, offs, mask, HALF_D, R)
+        b3, b4 = b1, b2  # unused
+    else:
+        b1, b2 = _b_halves(bk_ptr, stride_bk, hk * head_dim, rank_k, offs, mask, HALF_D, R)
+        b3, b4 = _b_halves(bv_ptr, stride_bv, hk * head_dim, rank_v, offs, mask, HALF_D, R)
+    wait_for_inputs(PDL)
     row = qkv_ptr + b.to(tl.int64) * stride_qkv
     cos1 = tl.load(cos_ptr + b * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
     cos2 = tl.load(cos_ptr + b * stride_cos + HALF_D + offs, mask=mask, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + b * stride_sin + offs, mask=mask, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + b * stride_sin + HALF_D + offs, mask=mask, other=0.0).to(tl.float32)
-    head_dim = 2 * HALF_D
     q_width = n_heads * head_dim
     kv_width = n_kv_heads * head_dim
     s_q = q_width + 2 * kv_width  # the shrinks follow the three projections
     rstd = row_rstd(parts_ptr, b.to(tl.int64), programs, norm_width, norm_eps, PARTS)
     mult = mult_ptr + b.to(tl.int64) * stride_mult
     if h < n_heads:
-        x1, x2 = _head_halves(row, h * head_dim, bq_ptr, stride_bq, h * head_dim, rank_q, s_q, scale_q, mult, rstd,
-                              bias_ptr, offs, mask, HALF_D, R, HAS_BIAS, ROW_SCALES)
+        x1, x2 = _head_halves(row, h * head_dim, b1, b2, rank_q, s_q, scale_q, mult, rstd, bias_ptr, offs, mask,
+                              HALF_D, R, HAS_BIAS, ROW_SCALES)
         x1, x2 = _normed_and_rotated(x1, x2, qn_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HALF_D, QK_NORM)
         out = q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh
         tl.store(out + offs, x1.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF_D + offs, x2.to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        hk = h - n_heads
         slot = tl.load(slot_ptr)
-        x1, x2 = _head_halves(row, q_width + hk * head_dim, bk_ptr, stride_bk, hk * head_dim, rank_k, s_q + rank_q,
-                              scale_k, mult + rank_q, rstd, bias_ptr, offs, mask, HALF_D, R, HAS_BIAS, ROW_SCALES)
+        x1, x2 = _head_halves(row, q_width + hk * head_dim, b1, b2, rank_k, s_q + rank_q, scale_k, mult + rank_q,
+                              rstd, bias_ptr, offs, mask, HALF_D, R, HAS_BIAS, ROW_SCALES)
         x1, x2 = _normed_and_rotated(x1, x2, kn_ptr, cos1, cos2, sin1, sin2, eps, offs, mask, HALF_D, QK_NORM)
         out = k_ptr + b.to(tl.int64) * stride_kb + hk * stride_kh + slot * stride_kn
         tl.store(out + offs, x1.to(k_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF_D + offs, x2.to(k_ptr.dtype.element_ty), mask=mask)
-        x1, x2 = _head_halves(row, q_width + kv_width + hk * head_dim, bv_ptr, stride_bv, hk * head_dim, rank_v,
-                              s_q + rank_q + rank_k, scale_v, mult + rank_q + rank_k, rstd, bias_ptr, offs, mask,
-                              HALF_D, R, HAS_BIAS, ROW_SCALES)
+        x1, x2 = _head_halves(row, q_width + kv_width + hk * head_dim, b3, b4, rank_v, s_q + rank_q + rank_k,
+                              scale_v, mult + rank_q + rank_k, rstd, bias_ptr, offs, mask, HALF_D, R, HAS_BIAS,
+                              ROW_SCALES)
         out = v_ptr + b.to(tl.int64) * stride_vb + hk * stride_vh + slot * stride_vn
         tl.store(out + offs, x1.to(v_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF_D + offs, x2.to(v_ptr.dtype.element_ty), mask=mask)
@@ -166,4 +181,5 @@ def rope_cache_write(qkv, lora_B, scales, cos, sin, q_norm, k_norm, eps, slot, q
         *(B.stride(0) for B in bs), cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], n_heads, n_kv, *ranks, *map(float, scales), float(eps), programs,
         norm_width, norm_eps, stride_mult, HALF_D=d // 2, BLOCK=block, QK_NORM=q_norm is not None,
-        R=rank_tile(*ranks), HAS_BIAS=bias is not None, PARTS=parts_tile, ROW_SCALES=per_row, num_warps=1)
+        R=rank_tile(*ranks), HAS_BIAS=bias is not None, PARTS=parts_tile, ROW_SCALES=per_row, num_warps=1,
+        **launch_options(qkv.device))
