@@ -18,8 +18,10 @@ GEMM gives every adapter's shrink, and each row of a batch scales the s columns 
 that adapter's scale and the others' by 0 (`row_scales` of the kernels after the GEMMs), so rows of one batch run
 different adapters in the same captured step. With an adapter on o_proj (down_proj) the residual kernel spreads each row
 over programs and defers the norm: x leaves as h * w with partial sums of h^2, and the kernel after the next GEMM (5, or
-2 of the next layer) scales its rows by rstd before adding the bias (ops/_lora_columns.py). Prefill stays on
-transformers' forward; both write the same cache.
+2 of the next layer) scales its rows by rstd before adding the bias (ops/_lora_columns.py). Before the layers, one
+launch builds the attention windows from the keep-mask (ops.decode_windows) and one gathers each row's cos and sin from
+a table of the model's rotary embedding. Captured, the kernels take programmatic dependent launch
+(ops/_dependent_launch.py). Prefill stays on transformers' forward; both write the same cache.
 
 The weights of each GEMM are stored one after another in one buffer (`StackedLinear`), and the modules' parameters
 re-pointed to views of it, so that PEFT, swap_adapter (which copies into lora_A and lora_B in place) and the user's
@@ -38,7 +40,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention, Mistr
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
-from ..ops.attention_windows import windows_of_one_query
+from ..ops.decode_windows import one_query_windows
 from ..ops.flash_attention import HEAD_DIMS, flash_attention
 from ..ops.gemv import gemv
 from ..ops.lora_add_rms_norm import lora_add_rms_norm
@@ -393,11 +395,12 @@ class FusedDecoder:
     place, kept: see the top). With an adapter bank (`bank`: its names) `select_adapters` says which adapter each row
     runs."""
 
-    def __init__(self, model: nn.Module, max_rows: int = 1):
+    def __init__(self, model: nn.Module, max_rows: int = 1, max_length: int | None = None):
         cast_adapters(model)
         lm = causal_lm(model)
         self.embed, self.lm_head = lm.get_input_embeddings(), lm.get_output_embeddings()
         self.rotary, self.final_norm = lm.model.rotary_emb, lm.model.norm
+        self._rope_table = self._rotary_table(max_length)
         self.bank = adapter_bank(model)
         self.layers = [FusedLayer(layer, self.bank) for layer in lm.model.layers]
         self._table, self._row_scales = self._bank_scales(max_rows)
@@ -421,6 +424,27 @@ class FusedDecoder:
             start += g.table.shape[1]
         return table, buffer
 
+    @torch.no_grad()
+    def _rotary_table(self, max_length: int | None) -> torch.Tensor | None:
+        # [max_length, 2, D]: the cos and sin of every position, from the model's own rotary embedding, so that a
+        # step gathers its rows' in one launch instead of the rotary's ~9 small kernels. None where the rope changes
+        # with the positions seen (dynamic and longrope scaling: the step calls the rotary embedding as before).
+        rope_type = getattr(self.rotary, "rope_type", None)
+        if max_length is None or not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+            return None
+        weight = self.embed.weight
+        positions = torch.arange(max_length, device=weight.device)[None]
+        cos, sin = self.rotary(weight[:1], positions)  # [1, L, D]: the same values, position by position
+        return torch.stack((cos[0], sin[0]), 1)
+
+    def _cos_sin(self, hidden: torch.Tensor, positions: torch.Tensor):
+        # ([B, D], [B, D]) of each row's position (positions: int64 [B, 1])
+        if self._rope_table is None:
+            cos, sin = self.rotary(hidden, positions)  # [B, 1, D]
+            return cos[:, 0], sin[:, 0]
+        both = self._rope_table[positions[:, 0]]  # [B, 2, D]
+        return both[:, 0], both[:, 1]
+
     def select_adapters(self, choices: list[int]) -> None:
         """Row i of the next batches runs adapter bank[choices[i]], or none where choices[i] == len(bank)."""
         if self._row_scales is not None:
@@ -434,14 +458,14 @@ class FusedDecoder:
         (cumulative_length) are not advanced: the engine's slot says where to write, and its prefill resets them."""
         # ids, positions: int64 [B, 1]; slot: int64 [1]; keep: bool [B, L], the cache slots each row attends to (the
         # slot included); cache: a StaticCache of B rows; logits: float32 [B, V]
-        windows = windows_of_one_query(keep)
+        windows = one_query_windows(keep)
         hidden = self.embed(ids[:, 0])  # [B, H]
-        cos, sin = self.rotary(hidden, positions)  # [B, 1, D]: the model's own rope, whatever its scaling
+        cos, sin = self._cos_sin(hidden, positions)  # [B, D]: the model's own rope, whatever its scaling
         first = self.layers[0].input_norm
         normed = rms_norm(hidden, first.weight, first.variance_epsilon)
         row_norm = None
         for layer, cache_layer, next_norm in zip(self.layers, cache.layers, self.next_norms):
-            row_norm = layer(hidden, normed, row_norm, cos[:, 0], sin[:, 0], slot, windows, cache_layer, next_norm)
+            row_norm = layer(hidden, normed, row_norm, cos, sin, slot, windows, cache_layer, next_norm)
         if normed.shape[0] == 1 and self.lm_head.weight.stride(1) == 1:
             gemv(normed, self.lm_head.weight, self.lm_head.bias, out=logits)
         else:

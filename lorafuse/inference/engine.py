@@ -18,7 +18,9 @@ import torch
 
 from .._logging import log_once
 from ..hf import adapter_swap, decoding, fused_decode, model_kernels
+from ..ops._dependent_launch import dependent_launches
 from ..ops.argmax import argmax_rows
+from ..ops.record_tokens import record_tokens
 from .graphs import capture
 from .sampling import SamplingParams, sample
 from .stopping import StopChecker
@@ -99,7 +101,7 @@ class Engine:
         self.fused_step_reason = self._fused_step_reason(fused_step, stack_adapters)
         self._fused = None
         if self.fused_step_reason is None:
-            self._fused = fused_decode.FusedDecoder(self.model, max_rows=self.buckets[-1])
+            self._fused = fused_decode.FusedDecoder(self.model, max_rows=self.buckets[-1], max_length=max_length)
         self._step_adapters = None  # adapter_names of the rows for transformers' step, eager only (see _adapter_rows)
         self._norms = model_kernels.llama_rms_norms(decoding.causal_lm(self.model))
         self._latest = None  # (rows, how many of them the latest batch used)
@@ -300,10 +302,7 @@ class Engine:
     def _choose(self, rows: _Rows, greedy: bool) -> None:
         """The other half: each row's next token from rows.logits, recorded and fed next; the counters advance."""
         token = self._next_tokens(rows.logits, rows, greedy)
-        rows.out.index_copy_(1, rows.made, token[:, None])
-        rows.ids.copy_(token[:, None])
-        for counter in (rows.pos, rows.slot, rows.made):
-            counter.add_(1)
+        record_tokens(token, rows.out, rows.ids, rows.pos, rows.slot, rows.made)
 
     def _next_tokens(self, logits: torch.Tensor, rows: _Rows, greedy: bool) -> torch.Tensor:
         # logits: [size, V] -> int64 [size]; greedy batches (temperature 0 on every row) skip the filters' sort
@@ -316,19 +315,20 @@ class Engine:
         """Every bucket's decode step as CUDA graphs, largest bucket first (its temporaries size the shared pool)."""
         start, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         decoding.mark_captured(self.model)
-        for size in reversed(self.buckets):
-            rows = self._rows[size]
-            # Warm-up and capture run each graph a few times (CAPTURE_RUNS): from slot 0 each time, so that they
-            # stay inside the cache and the buffers (max_length >= MIN_LENGTH).
-            rows.cache.reset()
-            rows.forward_graph = capture(lambda rows=rows: self._forward(rows), self._generator, pool,
-                                         warmup=CAPTURE_RUNS - 1)
-            rows.choose_graphs = {}
-            for greedy in (True, False):
-                for counter in (rows.pos, rows.slot, rows.made):
-                    counter.zero_()
-                rows.choose_graphs[greedy] = capture(lambda rows=rows, greedy=greedy: self._choose(rows, greedy),
-                                                     self._generator, pool, warmup=CAPTURE_RUNS - 1)
+        with dependent_launches():  # warm-up launches as the graphs will: each kernel compiled once
+            for size in reversed(self.buckets):
+                rows = self._rows[size]
+                # Warm-up and capture run each graph a few times (CAPTURE_RUNS): from slot 0 each time, so that they
+                # stay inside the cache and the buffers (max_length >= MIN_LENGTH).
+                rows.cache.reset()
+                rows.forward_graph = capture(lambda rows=rows: self._forward(rows), self._generator, pool,
+                                             warmup=CAPTURE_RUNS - 1)
+                rows.choose_graphs = {}
+                for greedy in (True, False):
+                    for counter in (rows.pos, rows.slot, rows.made):
+                        counter.zero_()
+                    rows.choose_graphs[greedy] = capture(lambda rows=rows, greedy=greedy: self._choose(rows, greedy),
+                                                         self._generator, pool, warmup=CAPTURE_RUNS - 1)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
 

@@ -13,11 +13,13 @@ Rules for a kernel launched this way (`launch_options`, `wait_for_inputs`):
 - right after the wait it lets the next kernel launch (`gdc_launch_dependents`), not before: a chain of kernels
   that each launched the next before waiting would fill the SMs with programs that only wait;
 - the wait covers every earlier kernel, not only the previous one: that one waited too before it finished.
-Kernels are launched so only while a CUDA graph is being captured (the engine's decode steps): there the kernel
-before each one is a kernel of the same step, never one that writes an adapter (a swap copies into lora_B between
-steps). Eager calls, where anything may come right before, launch the usual way. LORAFUSE_PDL=0 turns it off (for
-A/B timing and for bisecting).
+Kernels are launched so only while a CUDA graph is being captured, or inside `dependent_launches()` (the engine's
+warm-up runs of the steps it captures next, so that Triton compiles each kernel once, not once per launch mode):
+there the kernel before each one is a kernel of the same step, never one that writes an adapter (a swap copies into
+lora_B between steps). Other eager calls, where anything may come right before, launch the usual way.
+LORAFUSE_PDL=0 turns it off (for A/B timing and for bisecting).
 """
+import contextlib
 import functools
 import os
 
@@ -32,10 +34,24 @@ def _supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+_forced = [False]  # inside dependent_launches()
+
+
+@contextlib.contextmanager
+def dependent_launches():
+    """Launches inside are dependent ones outside a graph capture too (see the top: only for runs of a step whose
+    every kernel is one this module's rules hold for)."""
+    before, _forced[0] = _forced[0], True
+    try:
+        yield
+    finally:
+        _forced[0] = before
+
+
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` are launched now as dependents of the kernel before them (see the top)."""
     return (os.environ.get("LORAFUSE_PDL", "1") != "0" and _supported(device)
-            and torch.cuda.is_current_stream_capturing())
+            and (_forced[0] or torch.cuda.is_current_stream_capturing()))
 
 
 def launch_options(device: torch.device) -> dict:
