@@ -58,6 +58,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The kernels after the GEMMs hold a [columns, ranks] tile of B: a bank's ranks on one projection add up, and past
 # the largest single adapter rank these kernels were written for their tiles would spill (not measured: declined).
 MAX_BANK_RANK = 64
+# transformers' rope types whose frequencies do not change with the positions seen: their cos and sin are tabulated
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
           ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))  # the projections of each GEMM
 
@@ -426,11 +428,12 @@ class FusedDecoder:
 
     @torch.no_grad()
     def _rotary_table(self, max_length: int | None) -> torch.Tensor | None:
-        # [max_length, 2, D]: the cos and sin of every position, from the model's own rotary embedding, so that a
-        # step gathers its rows' in one launch instead of the rotary's ~9 small kernels. None where the rope changes
-        # with the positions seen (dynamic and longrope scaling: the step calls the rotary embedding as before).
-        rope_type = getattr(self.rotary, "rope_type", None)
-        if max_length is None or not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+        # [max_length, 2, D]: the cos and sin of every position below max_length (the engine's positions stay there),
+        # from the model's own rotary embedding, so that a step gathers its rows' in one launch instead of the
+        # rotary's ~9 small kernels. Only for rope types whose frequencies are fixed (STATIC_ROPE_TYPES); None for
+        # the others (dynamic and longrope scaling change with the positions seen: the step calls the rotary
+        # embedding as before).
+        if max_length is None or getattr(self.rotary, "rope_type", None) not in STATIC_ROPE_TYPES:
             return None
         weight = self.embed.weight
         positions = torch.arange(max_length, device=weight.device)[None]

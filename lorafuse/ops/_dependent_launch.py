@@ -13,13 +13,15 @@ Rules for a kernel launched this way (`launch_options`, `wait_for_inputs`):
 - right after the wait it lets the next kernel launch (`gdc_launch_dependents`), not before: a chain of kernels
   that each launched the next before waiting would fill the SMs with programs that only wait;
 - the wait covers every earlier kernel, not only the previous one: that one waited too before it finished.
-Kernels are launched so only while a CUDA graph is being captured, or inside `dependent_launches()` (the engine's
-warm-up runs of the steps it captures next, so that Triton compiles each kernel once, not once per launch mode):
+Kernels are launched so only inside `dependent_launches()`, which the engine holds while it warms up and captures
+its decode steps (warm-up and capture alike, so that Triton compiles each kernel once, not once per launch mode):
 there the kernel before each one is a kernel of the same step, never one that writes an adapter (a swap copies into
-lora_B between steps). Other eager calls, where anything may come right before, launch the usual way.
-LORAFUSE_PDL=0 turns it off (for A/B timing and for bisecting).
+lora_B between steps). Everywhere else (eager calls, other graphs), where anything may come right before, kernels
+launch the usual way. The switch is per thread and per task (a context variable). LORAFUSE_PDL=0 turns it off (for
+A/B timing and for bisecting).
 """
 import contextlib
+import contextvars
 import functools
 import os
 
@@ -34,24 +36,23 @@ def _supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-_forced = [False]  # inside dependent_launches()
+_inside = contextvars.ContextVar("lorafuse_dependent_launches", default=False)
 
 
 @contextlib.contextmanager
 def dependent_launches():
-    """Launches inside are dependent ones outside a graph capture too (see the top: only for runs of a step whose
-    every kernel is one this module's rules hold for)."""
-    before, _forced[0] = _forced[0], True
+    """Launches inside (this thread or task) are dependent ones (see the top: only for runs of steps whose every
+    kernel is one this module's rules hold for)."""
+    token = _inside.set(True)
     try:
         yield
     finally:
-        _forced[0] = before
+        _inside.reset(token)
 
 
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` are launched now as dependents of the kernel before them (see the top)."""
-    return (os.environ.get("LORAFUSE_PDL", "1") != "0" and _supported(device)
-            and (_forced[0] or torch.cuda.is_current_stream_capturing()))
+    return _inside.get() and os.environ.get("LORAFUSE_PDL", "1") != "0" and _supported(device)
 
 
 def launch_options(device: torch.device) -> dict:

@@ -17,14 +17,16 @@ def rank_tile(*ranks: int) -> int:
 
 @triton.jit
 def lora_b_rows(b_ptr, b_rows, stride_b, rank, mask, R: tl.constexpr):
-    # B[b_rows] as one [columns, R] tile, zero past `rank` and where ~mask; R: rank_tile (0: no adapter, B unread, a
-    # placeholder 0.0). Rows of B are contiguous, so the loads coalesce. The kernels load it before they wait for
-    # the kernel before them (_dependent_launch.py): no kernel of a decode step writes B.
+    # B[b_rows] as one fp32 [columns, R] tile, zero past `rank` and where ~mask; R: rank_tile (0: no adapter, B
+    # unread, a placeholder 0.0). Rows of B are contiguous, so the loads coalesce. fp32 whatever B's dtype, so that
+    # tiles of adapters in different dtypes may meet in one variable (rope_cache_write's q or k/v branches). The
+    # kernels load it before they wait for the kernel before them (_dependent_launch.py): no kernel of a decode step
+    # writes B.
     tile = 0.0
     if R > 0:
         ranks = tl.arange(0, R)
         tile = tl.load(b_ptr + b_rows[:, None] * stride_b + ranks[None, :],
-                       mask=mask[:, None] & (ranks < rank)[None, :], other=0.0)
+                       mask=mask[:, None] & (ranks < rank)[None, :], other=0.0).to(tl.float32)
     return tile
 
 
@@ -42,7 +44,7 @@ def columns_with_lora(row_ptr, cols, b, rank, s_col, scale, mult_ptr, mask, R: t
             s *= tl.load(mult_ptr + ranks, mask=ranks < rank, other=0.0)
         else:
             s *= scale
-        x += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
+        x += tl.sum(b * s[None, :], axis=1)
     return x
 
 

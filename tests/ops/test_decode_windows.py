@@ -35,6 +35,14 @@ def test_windows_match_the_reference(rows, n_k):
     check(runs(rows, n_k, seed=rows * n_k))
 
 
+def test_runs_inside_later_blocks():
+    keep = torch.zeros(3, 3 * BLOCK, dtype=torch.bool)
+    keep[0, BLOCK + 7:2 * BLOCK + 3] = True  # starts in the second block, ends in the third
+    keep[1, 2 * BLOCK + 10:] = True  # only in the last block, up to the last slot
+    keep[2, 5] = True  # one slot
+    check(keep)
+
+
 def test_strided_mask():
     keep = runs(5, 2 * 40, seed=3)[:, :40]  # a view with row stride 80
     assert keep.stride(0) == 80
