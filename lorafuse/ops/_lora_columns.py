@@ -10,8 +10,8 @@ import triton.language as tl
 
 
 def rank_tile(*ranks: int) -> int:
-    """R for lora_b_rows and columns_with_lora: the largest rank rounded up to a power of two, 0 when no projection has an adapter
-    (the expand is then compiled out)."""
+    """R for lora_b_rows and columns_with_lora: the largest rank rounded up to a power of two, 0 when no projection
+    has an adapter (the expand is then compiled out)."""
     return triton.next_power_of_2(max(ranks)) if max(ranks) > 0 else 0
 
 
