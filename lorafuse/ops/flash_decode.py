@@ -132,6 +132,7 @@ def flash_decode(q, k, v, causal, scale, windows, use_tma):
     else:
         key_lo, key_hi = (w.to(device=q.device, dtype=torch.int32).contiguous() for w in windows[:2])
     k_in, v_in = k, v
+    launch = launch_options(q.device)  # both kernels launch alike
     if use_tma:
         k_in, v_in = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_N, d_tile]) for t in (k, v))
     _decode_chunk_kernel[(n_chunks, b * n_kv_heads)](
@@ -140,8 +141,8 @@ def flash_decode(q, k, v, causal, scale, windows, use_tma):
         v.stride(0), v.stride(1), v.stride(2), n_q, n_k, n_kv_heads, group, chunk, n_chunks, scale * LOG2_E,
         CAUSAL=causal, WINDOWED=windows is not None, HEAD_DIM=d, D_TILE=d_tile,
         BLOCK_M=max(16, triton.next_power_of_2(group * n_q)), BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype),
-        TMA=use_tma, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))
+        TMA=use_tma, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch)
     _decode_merge_kernel[(b * n_heads * n_q,)](
         part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), n_q, n_heads, n_chunks,
-        HEAD_DIM=d, D_TILE=d_tile, CHUNKS=triton.next_power_of_2(n_chunks), **launch_options(q.device))
+        HEAD_DIM=d, D_TILE=d_tile, CHUNKS=triton.next_power_of_2(n_chunks), **launch)
     return out
