@@ -1,7 +1,7 @@
 """Captured decoding on a GPU: for every bucket, replaying the captured decode steps gives the tokens and the logits
 of the same engine stepping eagerly (greedy and seeded sampling), with the adapter unmerged - before and after
-swapping it in place - and merged, and with rows of one batch on different adapters (an adapter bank); nothing falls
-back from lorafuse's kernels during capture.
+swapping it in place - and merged, with rows of one batch on different adapters (an adapter bank), and with
+transformers' forward as the step; nothing falls back from lorafuse's kernels during capture.
 
 Needs CUDA; on the GPU machine run it with the kernels compiled (not interpreted):
     TRITON_INTERPRET=0 python -m pytest -q tests/inference/test_cuda_graphs.py
@@ -102,3 +102,14 @@ def test_merged_replay_equals_eager(adapters):
     graphs = Engine(fused_model(adapters, torch.bfloat16), max_length=MAX_LENGTH, merge=True)
     eager = Engine(graphs.model, max_length=MAX_LENGTH, cuda_graphs=False)
     assert_replay_equals_eager(graphs, eager, SamplingParams(max_new_tokens=NEW), torch.bfloat16, seed=3)
+
+
+def test_transformers_step_replay_equals_eager(adapters):
+    # transformers' forward as the captured step (fused_step=False), lorafuse attention on windows built by one kernel
+    # launch (decoding.decode_attention_kwargs). In fp32: eager decode calls of the fused LoRA layer take its
+    # launch-bound route (ops/lora_linear.py, lora_decode), captured ones not, and in bf16 their roundings differ
+    # enough to flip a near-tie of this random model within 20 tokens (H100)
+    graphs = Engine(fused_model(adapters, torch.float32), max_length=MAX_LENGTH, buckets=(1, 4), fused_step=False)
+    eager = Engine(graphs.model, max_length=MAX_LENGTH, buckets=(1, 4), cuda_graphs=False, fused_step=False)
+    assert graphs.fused_step_reason is not None and graphs.capture_seconds > 0
+    assert_replay_equals_eager(graphs, eager, SamplingParams(max_new_tokens=NEW), torch.float32, seed=5)

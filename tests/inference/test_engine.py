@@ -37,6 +37,14 @@ def test_greedy_equals_generate_on_each_prompt_alone(engine, reference, rows):
     assert out == reference[:rows]
 
 
+def test_transformers_step_on_lorafuse_attention_equals_generate(reference):
+    # transformers' step (no fused step) with attn_implementation="lorafuse" passes the attention its windows
+    # (decoding.decode_attention_kwargs, ops.decode_windows): left padding and unwritten slots stay out
+    model = tiny_llama("lorafuse")
+    engine = Engine(model, max_length=24, buckets=(4,), check_every=4, fused_step=False)
+    assert engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=NEW)) == reference[:3]
+
+
 def test_greedy_does_not_depend_on_the_batch(engine, reference):
     # The same prompts in another order, with other companions, in another bucket.
     order = [7, 0, 3]
