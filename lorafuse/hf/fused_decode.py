@@ -29,7 +29,6 @@ model keep seeing the same parameters. A layout made once is kept: a second engi
 (the first one's captured graphs hold these addresses), and weights that another engine captured unstacked are not
 laid out at all (this step then declines: decoding.mark_captured).
 """
-import os
 
 import torch
 from peft import PeftModel
@@ -40,6 +39,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention, Mistr
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
+from ..ops._tiles import kernels_run_on
 from ..ops.decode_windows import one_query_windows
 from ..ops.flash_attention import HEAD_DIMS, flash_attention
 from ..ops.gemv import gemv
@@ -125,7 +125,7 @@ def unsupported_reason(model: nn.Module, stack_adapters: bool = True) -> str | N
     or None when it can. Without `stack_adapters` a PeftModel's adapters must stay as they are: it cannot."""
     lm = causal_lm(model)
     device, dtype = lm.device, lm.get_input_embeddings().weight.dtype
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(device):
         return f"a model on {device} (its Triton kernels need CUDA, or TRITON_INTERPRET=1 on a CPU)"
     if dtype not in DTYPES:
         return f"a {dtype} model (the kernels take {', '.join(map(str, DTYPES))})"

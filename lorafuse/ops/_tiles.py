@@ -10,6 +10,12 @@ ADAPTER_MATH = ("exact", "fast")
 CPU_STAND_IN_SMS = 132  # Triton's interpreter has no SMs: plan as on an H100/H200, so CPU tests split alike
 
 
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the Triton kernels can take tensors on `device`: CUDA, or any device under TRITON_INTERPRET=1 (the
+    CPU tests). Launchers hand other calls to their torch reference."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of `device`: the launchers size split reductions to keep them busy."""

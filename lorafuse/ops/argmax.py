@@ -5,13 +5,13 @@ Llama-1B decode step, `bench_decode.py --profile`). Here each row is cut into ch
 launch picks the first chunk holding the row's maximum. The result is torch.argmax's: the first index of the maximum,
 and a NaN counts as larger than any number (the first NaN wins).
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .._logging import log_once
+from ._tiles import kernels_run_on
 
 BLOCK = 4096  # elements per program: 32 programs for a row of 128256
 NO_INDEX = 2**31 - 1  # larger than any index of a row
@@ -61,7 +61,7 @@ def _pick_chunk(part_value_ptr, part_index_ptr, out_ptr, chunks, CHUNKS: tl.cons
 
 
 def _unsupported_reason(x: torch.Tensor) -> str | None:
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(x.device):
         return "tensors not on a CUDA device run torch.argmax (TRITON_INTERPRET=1 runs the kernels on CPU)"
     if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0 or x.shape[1] >= NO_INDEX:
         return f"a tensor of shape {tuple(x.shape)} runs torch.argmax (the kernels take [B, V], 0 < V < 2^31 - 1)"

@@ -5,7 +5,6 @@ sum, an argmax, casts, wheres), which in a captured Llama-1B decode step cost ab
 attention. Here one program per row reads its mask once: the row's kept slots are one contiguous run (a static cache:
 left padding, then the slots written so far), so its key window is [first kept slot, first + count).
 """
-import os
 
 import torch
 import triton
@@ -13,6 +12,7 @@ import triton.language as tl
 
 from .._logging import log_once
 from ._dependent_launch import launch_options, wait_for_inputs
+from ._tiles import kernels_run_on
 from .attention_windows import AttentionWindows, windows_of_one_query
 
 BLOCK = 1024  # mask slots per step of a program's loop
@@ -48,7 +48,7 @@ def _one_query_windows(keep_ptr, key_lo_ptr, key_hi_ptr, query_lo_ptr, query_hi_
 
 
 def _unsupported_reason(keep: torch.Tensor) -> str | None:
-    if keep.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(keep.device):
         return "tensors not on a CUDA device run the torch reference (TRITON_INTERPRET=1 runs the kernel on CPU)"
     if keep.dim() != 2 or keep.dtype != torch.bool or keep.stride(1) != 1 or 0 in keep.shape:
         return f"a {keep.dtype} mask of shape {tuple(keep.shape)} runs the torch reference (the kernel takes a bool " \

@@ -15,7 +15,6 @@ Everything the kernels do not cover runs through torch's scaled_dot_product_atte
 the reason logged once.
 """
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._logging import log_once
-from ._tiles import dot_precision
+from ._tiles import dot_precision, kernels_run_on
 from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
                                tile_ranges, window_bounds)
 from .attention_windows import AttentionWindows, UnpaddedWindows, allowed_keys
@@ -61,17 +60,13 @@ def _sdpa_fallback(q, k, v, causal, scale, windows):
 
 
 def _unsupported_reason(q, k, v, windows):
-    if q.device.type != "cuda" and not _interpreting():
+    if not kernels_run_on(q.device):
         return "tensors are not on a CUDA device (set TRITON_INTERPRET=1 to run the kernel on CPU)"
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} is not float32, float16 or bfloat16"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]} is not one of {HEAD_DIMS}"
     return None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_inputs(q, k, v, windows):

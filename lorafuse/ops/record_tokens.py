@@ -3,7 +3,6 @@
 transformers-style bookkeeping takes five small torch kernels here (an index_copy, a copy, three increments); in a
 captured decode step each costs a launch's latency. One program does all of it (a batch is at most a few dozen rows).
 """
-import os
 
 import torch
 import triton
@@ -11,6 +10,7 @@ import triton.language as tl
 
 from .._logging import log_once
 from ._dependent_launch import launch_options, wait_for_inputs
+from ._tiles import kernels_run_on
 
 
 def record_tokens_reference(token, out, ids, pos, slot, made) -> None:
@@ -42,7 +42,7 @@ def _record_tokens(token_ptr, out_ptr, ids_ptr, pos_ptr, slot_ptr, made_ptr, row
 def record_tokens(token, out, ids, pos, slot, made) -> None:
     """record_tokens_reference's writes in one launch (no host synchronisation: graph-capturable)."""
     # shapes: see record_tokens_reference
-    if token.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(token.device):
         log_once("lorafuse.record_tokens: tensors not on a CUDA device run the torch reference (TRITON_INTERPRET=1 "
                  "runs the kernel on CPU)")
         record_tokens_reference(token, out, ids, pos, slot, made)

@@ -6,14 +6,13 @@ that keeps only rstd (one float per row), and the backward one more: dx (and, wh
 partial sums of dw). A decode step's norms move a few kilobytes each, so there the launches are the cost; in
 training the float32 copies are (a Llama-1B step: 33 norms over [8192, 2048]).
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .._logging import log_once
-from ._tiles import sm_count
+from ._tiles import kernels_run_on, sm_count
 
 MAX_WIDTH = 16384  # one row at a time, held in registers
 BWD_PROGRAMS_PER_SM = 4  # backward programs loop over rows, each keeping its own dw partial sum
@@ -73,7 +72,7 @@ def _rms_norm_bwd(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_ptr, M, D, stride_x
 
 
 def _unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(x.device):
         return "tensors not on a CUDA device run the PyTorch reference (TRITON_INTERPRET=1 runs the kernel on CPU)"
     if not {x.dtype, weight.dtype} <= {torch.float32, torch.float16, torch.bfloat16}:
         return f"{x.dtype} input or {weight.dtype} weight runs the PyTorch reference"

@@ -4,7 +4,6 @@ transformers computes it as two kernels forward (silu, then the product, keeping
 more activation-sized tensor per layer) and about five backward. Here one kernel each way; the backward recomputes
 silu(gate) from gate, which it reads anyway.
 """
-import os
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
+from ._tiles import kernels_run_on
 
 BLOCK = 2048  # elements per program: memory-bound, 16-byte vectors on every thread of 8 warps
 
@@ -49,7 +49,7 @@ def _silu_mul_bwd(gate_ptr, up_ptr, dy_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.con
 
 
 def _unsupported_reason(gate: torch.Tensor, up: torch.Tensor) -> str | None:
-    if gate.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(gate.device):
         return "tensors not on a CUDA device run the PyTorch reference (TRITON_INTERPRET=1 runs the kernel on CPU)"
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         return (f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ in shape, dtype "
