@@ -102,7 +102,7 @@ def _rope_cache_write(qkv_ptr, bq_ptr, bk_ptr, bv_ptr, cos_ptr, sin_ptr, qn_ptr,
     # the adapters' rows of B for this program's heads, before the wait (see lora_b_rows): q's, or k's and v's
     if h < n_heads:
         b1, b2 = _b_halves(bq_ptr, stride_bq, h * head_dim, rank_q, offs, mask, HALF_D, R)
-        b3, b4 = b1, b2  # unused
+        b3, b4 = b1, b2  # unread for query heads; Triton needs both branches to define them
     else:
         b1, b2 = _b_halves(bk_ptr, stride_bk, hk * head_dim, rank_k, offs, mask, HALF_D, R)
         b3, b4 = _b_halves(bv_ptr, stride_bv, hk * head_dim, rank_v, offs, mask, HALF_D, R)
