@@ -45,19 +45,30 @@ def time_ms(fn, rep_ms=200):
     return med, p20, p80
 
 
-def time_alternating(calls, rounds=100, warmup=10):
-    """{key: (median, p20, p80)} in ms for each callable of `calls` (CUDA-graph replays), timed call by call in turn
-    (the order rotating each round), with CUDA events around each call and L2 flushed before it, as do_bench does.
+def time_alternating(calls, rounds=100, warmup=10, order="rotate"):
+    """{key: (median, p20, p80)} in ms for each callable of `calls` (CUDA-graph replays), timed call by call in turn,
+    with CUDA events around each call and L2 flushed before it, as do_bench does.
 
     Ratios between calls are what the benchmarks compare, and the GPU's clocks drift between seconds: timed one after
     the other (do_bench per provider), the base fwd+bwd of one shape read 0.79 ms in one run and 0.90 ms (p20-p80
     0.85-0.98) in another, and two providers running the same kernels differed by 6 % (H200, NOTES_lora_layer.md).
-    Alternating call by call, every provider sees the same clocks."""
+    Alternating call by call, every provider sees the same clocks.
+
+    order: "rotate" starts each round one call later, so each call keeps the same predecessor (the last call of a
+    round aside); "shuffle" draws each round's order afresh (seeded), so that no call always follows the same one
+    (probe_timing_order.py asks whether that matters)."""
+    if order not in ("rotate", "shuffle"):
+        raise ValueError(f"order must be 'rotate' or 'shuffle', got {order!r}")
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     keys = list(calls)
     events = {key: [] for key in keys}
+    shuffler = torch.Generator().manual_seed(0)
     for i in range(warmup + rounds):
-        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
+        if order == "rotate":
+            round_keys = keys[i % len(keys):] + keys[:i % len(keys)]
+        else:
+            round_keys = [keys[j] for j in torch.randperm(len(keys), generator=shuffler).tolist()]
+        for key in round_keys:
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -107,9 +107,11 @@ def check_windows(w: AttentionWindows, rel: torch.Tensor):
         assert torch.all(lo[empty] == length) and torch.all(hi[empty] == 0), \
             f"empty windows must be ({length}, 0): {list(zip(lo[empty].tolist(), hi[empty].tolist()))}"
         assert torch.all((lo[~empty] >= 0) & (hi[~empty] <= length))
-    # the module's own dense view (references, SDPA fallback) says the same
-    assert torch.equal(allowed_keys(w, n_q, n_k, False, "cpu").expand(b, n_q, n_k), rel)
-    assert torch.equal(allowed_keys(w, n_q, n_k, True, "cpu").expand(b, n_q, n_k), rel & causal_relation(n_q, n_k))
+    # the module's own dense view (references, SDPA fallback) says the same, on the windows' device (the GPU mode of
+    # the op tests makes them on the GPU)
+    device = w.key_lo.device
+    assert torch.equal(allowed_keys(w, n_q, n_k, False, device).expand(b, n_q, n_k), rel)
+    assert torch.equal(allowed_keys(w, n_q, n_k, True, device).expand(b, n_q, n_k), rel & causal_relation(n_q, n_k))
 
 
 # ----------------------------------------------------------------------------------------------
