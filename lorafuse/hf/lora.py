@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 from peft.tuners import lora
 from torch import nn
+from torch.nn.modules import module as module_hooks
 from transformers.pytorch_utils import Conv1D
 
 from .._logging import log_once
@@ -54,9 +55,11 @@ class FusedLoraLinear(lora.Linear):
             variant = type(self.lora_variant[adapter]).__name__.removesuffix("LinearVariant")
             return f"{variant} adapters (a LoRA variant)"
         base = self.base_layer
-        if base._forward_hooks or base._forward_pre_hooks or "forward" in vars(base):
-            return "a hooked base layer (e.g. accelerate offload)"
         dropout = self.lora_dropout[adapter]
+        # PEFT's forward calls these modules, so their hooks fire (accelerate's offload, activation probes, backward
+        # hooks); the fused op reads their weights and calls none of them
+        if any(map(_hooked, (base, self.lora_A[adapter], self.lora_B[adapter], dropout))) or _global_module_hooks():
+            return "hooks on the base layer, lora_A, lora_B or lora_dropout, or global module hooks"
         if type(dropout) not in (nn.Dropout, nn.Identity):
             return f"a {type(dropout).__name__} lora_dropout (fused: nn.Dropout or nn.Identity)"
         autocast = torch.is_autocast_enabled(x.device.type)
@@ -73,6 +76,18 @@ class FusedLoraLinear(lora.Linear):
             # the base bias (as the op takes it) it would have to be rounded to x's dtype first.
             return f"lora_bias in {lora_B.bias.dtype} on {x.dtype} inputs"
         return None
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` runs more than its class's forward: hooks, or a forward set on the instance."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in vars(module))
+
+
+def _global_module_hooks() -> bool:
+    """Whether hooks registered for every module (torch.nn.modules.module.register_module_forward_hook...) are set."""
+    return bool(module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks
+                or module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks)
 
 
 def _unfusable_kind(layer: nn.Module) -> str | None:

@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._logging import log_once
+from ._autograd import functorch_reason
 from ._tiles import dot_precision, kernels_run_on
 from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
                                tile_ranges, window_bounds)
@@ -93,7 +94,7 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
     """Attention of q [B, Hq, Nq, D] over k, v [B, Hkv, Nk, D]; returns [B, Hq, Nq, D]."""
     _check_inputs(q, k, v, windows)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    reason = _unsupported_reason(q, k, v, windows)
+    reason = functorch_reason(q, k, v) or _unsupported_reason(q, k, v, windows)
     if reason is not None:
         log_once(f"lorafuse flash_attention: using torch SDPA because {reason}")
         return _sdpa_fallback(q, k, v, causal, scale, windows)

@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from .._logging import log_once
+from ._autograd import differentiable_backward, functorch_reason
 from ._bf16_pieces import uses_bf16_pieces
 from ._tiles import adapter_math, lora_in_fp32, padded_rank
-from .activation import activation_id, activation_reference
+from .activation import ACTIVATIONS, activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
 from .lora_decode import DECODE_MAX_ROWS, lora_decode
 from .lora_expand import lora_expand, lora_expand_backward
@@ -107,15 +108,17 @@ class _LoraLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
         y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm,
                                  store_z=act != 0 and any(ctx.needs_input_grad[:5]))
-        ctx.save_for_backward(x, weight, lora_A, lora_B, s, seed, z)
+        ctx.save_for_backward(x, weight, bias, lora_A, lora_B, s, seed, z)
         ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm = scale, dropout_p, act, gemm
         ctx.dtypes = (None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, weight, lora_A, lora_B, s, seed, z = ctx.saved_tensors
+        x, weight, bias, lora_A, lora_B, s, seed, z = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
+            return differentiable_backward(_reference_of_apply, (x, weight, bias, lora_A, lora_B, ctx.scale,
+                                                                 ctx.dropout_p, seed, ctx.act, ctx.gemm), dy)
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
         p = ctx.dropout_p
         g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, ctx.scale, ctx.act, need_bias)
@@ -137,6 +140,11 @@ class _LoraLinear(torch.autograd.Function):
         bias_dtype, a_dtype, b_dtype = ctx.dtypes
         return (dx, dW, dbias.to(bias_dtype) if need_bias else None, dA.to(a_dtype) if need_a else None,
                 dB.to(b_dtype) if need_b else None, None, None, None, None, None)
+
+
+def _reference_of_apply(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
+    # _LoraLinear.apply's arguments -> lora_linear_reference's output (the same mask from the same seed)
+    return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p, ACTIVATIONS[act], seed)
 
 
 def _check_inputs(x, weight, bias, lora_A, lora_B, seed):
@@ -204,7 +212,7 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight, lora_A, lora_B = x.to(dtype), weight.to(dtype), lora_A.to(dtype), lora_B.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
-    reason = _kernel_unsupported(x, weight, lora_A)
+    reason = _kernel_unsupported(x, weight, lora_A) or functorch_reason(x, weight, bias, lora_A, lora_B)
     if reason is not None:
         log_once(f"lorafuse.lora_linear: {reason}")
         return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p, activation, seed)

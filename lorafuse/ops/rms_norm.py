@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
+from ._autograd import differentiable_backward, functorch_reason
 from ._tiles import kernels_run_on, sm_count
 
 MAX_WIDTH = 16384  # one row at a time, held in registers
@@ -120,12 +121,14 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x2, weight, eps):
         y, rstd = _forward(x2, weight, eps, store_rstd=True)
         ctx.save_for_backward(x2, weight, rstd)
+        ctx.eps = eps
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
+            return differentiable_backward(rms_norm_reference, (x2, weight, ctx.eps), dy)
         dx, dw = _backward(x2, weight, rstd, _rows(dy), ctx.needs_input_grad[1])
         return dx, dw, None
 
@@ -135,7 +138,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm_reference's result, differentiable in x and weight: one kernel forward, one backward. Inputs the
     kernels do not take run the reference, the reason logged once."""
     # x: [..., D], weight: [D] -> [..., D]
-    reason = _unsupported_reason(x, weight)
+    reason = functorch_reason(x, weight) or _unsupported_reason(x, weight)
     if reason is not None:
         log_once(f"lorafuse.rms_norm: {reason}")
         return rms_norm_reference(x, weight, eps)

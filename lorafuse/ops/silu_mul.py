@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
+from ._autograd import differentiable_backward, functorch_reason
 from ._tiles import kernels_run_on
 
 BLOCK = 2048  # elements per program: memory-bound, 16-byte vectors on every thread of 8 warps
@@ -74,9 +75,10 @@ class _SiluMul(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
+            return differentiable_backward(silu_mul_reference, (gate, up), dy)
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         _silu_mul_bwd[_grid(gate.numel())](gate, up, dy.contiguous(), dgate, dup, gate.numel(), BLOCK=BLOCK,
                                            num_warps=8)
@@ -88,7 +90,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel, differentiable in both; inputs the kernels do not take run the reference, the
     reason logged once."""
     # gate, up: [...] (same shape and dtype) -> [...]
-    reason = _unsupported_reason(gate, up)
+    reason = functorch_reason(gate, up) or _unsupported_reason(gate, up)
     if reason is not None:
         log_once(f"lorafuse.silu_mul: {reason}")
         return silu_mul_reference(gate, up)

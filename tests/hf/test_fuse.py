@@ -189,6 +189,59 @@ def test_lora_bias_with_float32_adapters_falls_back(fallback_log, op_calls):
     assert "lora_bias in torch.float32 on torch.bfloat16 inputs" in fallback_log.text
 
 
+HOOKS = {  # where a hook sits -> how to put one there that records its calls
+    "base forward": lambda layer, calls: layer.base_layer.register_forward_hook(lambda *_: calls.append(1)),
+    "base full backward": lambda layer, calls: layer.base_layer.register_full_backward_hook(
+        lambda *_: calls.append(1)),
+    "lora_A forward": lambda layer, calls: layer.lora_A["default"].register_forward_hook(lambda *_: calls.append(1)),
+    "lora_B pre-forward": lambda layer, calls: layer.lora_B["default"].register_forward_pre_hook(
+        lambda *_: calls.append(1)),
+    "lora_dropout forward": lambda layer, calls: layer.lora_dropout["default"].register_forward_hook(
+        lambda *_: calls.append(1)),
+    "global forward": lambda layer, calls: nn.modules.module.register_module_forward_hook(lambda *_: calls.append(1)),
+}
+
+
+@pytest.mark.parametrize("where", HOOKS)
+def test_hooks_that_peft_would_fire_fall_back_and_fire(where, fallback_log, op_calls):
+    # Activation probes, gradient hooks and global hooks (module trackers) fire in PEFT's forward, which calls these
+    # modules; the fused op only reads their weights, so a hooked layer runs PEFT's forward.
+    fused, plain = peft_pair(48, 80, 8)
+    calls = []
+    handle = HOOKS[where](fused.base_model.model.proj, calls)
+    try:
+        check_fallback(fused, plain, "hooks on the base layer", fallback_log, op_calls)
+    finally:
+        handle.remove()
+    assert calls
+    x, grad_out = random_io((7, 48), 80)
+    forward_backward(fused, x, grad_out)  # without the hook: fused again
+    assert op_calls
+
+
+def test_fuse_again_fuses_the_layers_of_an_adapter_added_later(tmp_path, op_calls):
+    # load_adapter/add_adapter wrap modules that had no LoRA layer in PEFT's own class; fusing again reaches them
+    base = tiny_llama()
+    second = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    for layer in second.modules():
+        if isinstance(layer, lora.Linear):
+            randomize_lora_B(layer)
+    second.save_pretrained(tmp_path)
+    model = lorafuse.get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj"]))
+    model.load_adapter(tmp_path, adapter_name="second")
+    added = model.base_model.model.model.layers[0].self_attn.o_proj
+    assert type(added) is lora.Linear
+    assert lorafuse.fuse(model) is model
+    assert type(added) is FusedLoraLinear
+    model.set_adapter("second")
+    ids = torch.randint(0, LLAMA["vocab_size"], (2, 9))
+    op_calls.clear()
+    logits = model(input_ids=ids).logits
+    assert len(op_calls) == 2 * len(model.base_model.model.model.layers)  # q_proj and o_proj of every layer
+    reference = PeftModel.from_pretrained(copy.deepcopy(tiny_llama()), tmp_path)
+    assert relative_error(logits, reference(input_ids=ids).logits) < 1e-5
+
+
 def test_unfuse_restores_peft_classes():
     fused, plain = peft_pair(48, 80, 8)
     assert type(fused.base_model.model.proj) is FusedLoraLinear
