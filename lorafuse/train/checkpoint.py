@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -50,7 +51,8 @@ def save_checkpoint(accelerator: Accelerator, model, run_dir: str | os.PathLike,
         _write_json(tmp / _STATE_FILE, {**state, "step": step})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _publish(tmp, final)
+        publish(tmp, final)
+        logger.info("checkpoint saved: %s", final)
         _prune(root, keep, final)
     accelerator.wait_for_everyone()
     return final
@@ -82,19 +84,30 @@ def keep_trainable_weights_only(accelerator: Accelerator) -> None:
     accelerator.register_save_state_pre_hook(hook)
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def publish(tmp: Path, final: Path) -> None:
+    """Makes `tmp`, a complete file or directory, `final` by one atomic rename: `final` is never seen half-written."""
     _fsync_tree(tmp)
     # A directory cannot be renamed onto an existing one (a step saved again, by a run resumed from an earlier
     # checkpoint): the old one moves aside first and is deleted only once the new one is in place, so a kill
-    # in between leaves `.old-step-N`, complete, never nothing (latest_checkpoint finds it).
+    # in between leaves `.old-step-N`, complete, never nothing (latest_checkpoint finds it). A file replaces a file
+    # in the rename itself.
     stale = final.with_name(f".old-{final.name}")
-    if final.exists():
+    if final.is_dir():
         shutil.rmtree(stale, ignore_errors=True)
         os.replace(final, stale)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
     shutil.rmtree(stale, ignore_errors=True)
-    logger.info("checkpoint saved: %s", final)
+
+
+@contextmanager
+def publishing(final: Path):
+    """A temporary path beside `final` for the block to write a file or directory to, published as `final` when the
+    block ends without error: a crash inside leaves `final` as it was, and the next call clears what it left."""
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed attempt's directory (a file is overwritten as it is written)
+    yield tmp
+    publish(tmp, final)
 
 
 def _prune(root: Path, keep: int, just_saved: Path) -> None:
@@ -109,7 +122,7 @@ def _prune(root: Path, keep: int, just_saved: Path) -> None:
 
 def _complete_checkpoints(root: Path) -> list[Path]:
     """The complete checkpoints under `root`, oldest first: each `step-N`, and a `.old-step-N` whose `step-N` is gone
-    (a kill between _publish's two renames left it: the one complete copy of that step)."""
+    (a kill between publish's two renames left it: the one complete copy of that step)."""
     if not root.is_dir():
         return []
     steps = {}
@@ -125,15 +138,14 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    """Flushes every file of `root` to disk, and every directory's entries, so that the rename never publishes
-    data or names still in the page cache."""
-    for path in root.rglob("*"):
+    """Flushes `root` (a file, or a directory: every file under it and every directory's entries) to disk, so that
+    the rename never publishes data or names still in the page cache."""
+    for path in [*root.rglob("*"), root]:  # a file has nothing under it
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         elif path.is_dir():
             _fsync_dir(path)
-    _fsync_dir(root)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -113,7 +113,8 @@ class TrainConfig:
     save_every_n_steps: int = 0         # 0: a checkpoint at the end only
     keep_checkpoints: int = 2           # newest checkpoints kept, older ones deleted; 0 keeps all
     resume: Any = False                 # true: the latest checkpoint of run_dir; or a checkpoint directory. Data,
-                                        # lora, optim settings and the global batch must match the checkpoint's
+                                        # lora, optim settings, the resolved model.dtype and precision, and the
+                                        # global batch must match the checkpoint's
     on_nonfinite: OnNonFinite = OnNonFinite.stop
     max_skipped_steps: int = 10         # with on_nonfinite=skip: this many non-finite steps in a row stop the run
     profile_steps: int = 0              # >0: record this many steps with torch.profiler (Chrome trace, top kernels)
@@ -146,7 +147,8 @@ def validate(cfg: FinetuneConfig) -> None:
     """Checks what the schema's types cannot: ranges, and values of keys typed loosely on purpose."""
     positive = {"train.max_steps": cfg.train.max_steps, "train.batch_size": cfg.train.batch_size,
                 "train.grad_accum": cfg.train.grad_accum, "train.log_every": cfg.train.log_every,
-                "data.max_length": cfg.data.max_length, "lora.r": cfg.lora.r, "optim.lr": cfg.optim.lr}
+                "data.max_length": cfg.data.max_length, "lora.r": cfg.lora.r, "lora.alpha": cfg.lora.alpha,
+                "optim.lr": cfg.optim.lr}
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{key}={value}: must be > 0")
@@ -163,6 +165,13 @@ def validate(cfg: FinetuneConfig) -> None:
         raise ConfigError(f"data.packing=true needs model.attn_implementation=lorafuse, which keeps packed samples "
                           f"apart; {cfg.model.attn_implementation.value} would let them attend to each other. "
                           "Use lorafuse attention, or data.packing=false")
+    if cfg.data.max_samples is not None and cfg.data.max_samples <= 0:
+        raise ConfigError(f"data.max_samples={cfg.data.max_samples}: must be > 0, or null for every training sample")
+    for key, value, also in (("lora.target_modules", cfg.lora.target_modules,
+                              '"all-linear", or null for PEFT\'s defaults of the model type'),
+                             ("lora.exclude_modules", cfg.lora.exclude_modules, "or null")):
+        if value is not None:
+            _check_module_names(key, value, also)
     if cfg.train.eval_batches is not None and cfg.train.eval_batches <= 0:
         raise ConfigError(f"train.eval_batches={cfg.train.eval_batches}: must be > 0, or null for the whole eval split")
     if not 0 <= cfg.data.eval_fraction < 1:
@@ -182,3 +191,11 @@ def validate(cfg: FinetuneConfig) -> None:
         raise ConfigError(f"lora.bias={cfg.lora.bias!r}: allowed values are none, all, lora_only")
     if not isinstance(cfg.train.resume, (bool, str)):
         raise ConfigError(f"train.resume={cfg.train.resume!r}: true, false, or the path of a checkpoint directory")
+
+
+def _check_module_names(key: str, value: Any, also_allowed: str) -> None:
+    """PEFT's forms of a module selection (typed Any in the schema, so that Hydra takes a list or a string)."""
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(name, str) for name in value)):
+        return
+    raise ConfigError(f"{key}={value!r}: a list of module names (e.g. [q_proj,v_proj]), a regex string matching "
+                      f"module names, {also_allowed}")

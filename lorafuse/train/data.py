@@ -16,6 +16,7 @@ from pathlib import Path
 
 import datasets
 import pandas as pd
+import pyarrow.compute as pc
 import torch
 from datasets.fingerprint import Hasher
 
@@ -65,6 +66,8 @@ def load_splits(cfg: DataConfig, seed: int) -> tuple[datasets.Dataset, datasets.
 def _load_checked(path: str, key: str, cfg: DataConfig) -> datasets.Dataset:
     rows = _load(path, key, cfg)
     _check_columns(rows, path, cfg)
+    if DataFormat(cfg.format) is DataFormat.text:
+        _check_text_cells(rows, path, cfg.text_column)
     return rows
 
 
@@ -131,24 +134,60 @@ def _check_columns(rows: datasets.Dataset, source: str, cfg: DataConfig) -> None
                         f"found columns {rows.column_names}; if yours is named otherwise, set {renames}")
 
 
+def _check_text_cells(rows: datasets.Dataset, source: str, column: str) -> None:
+    """Every row of a plain-text column holds a string. Checked as loaded, before any split or shuffle, so that the
+    row named is the row of the file.
+
+    Unlike the instruction format, which reads a missing cell as "" (its input column is optional by design), a
+    plain-text row's text is the whole sample: a null one comes from a broken export or a misnamed key, and is
+    refused rather than trained on as an empty sample.
+    """
+    if rows.features[column] in (datasets.Value("string"), datasets.Value("large_string")):
+        cells = rows.data.column(column)
+        if cells.null_count == 0:  # Arrow's count: no pass over the text
+            return
+        row = pc.index(pc.is_null(cells), True).as_py()
+    else:  # numbers, lists, or mixed types (datasets' Json feature): the first cell that is not a string
+        row = next((i for i, value in enumerate(rows[column]) if not isinstance(value, str)), None)
+        if row is None:
+            return
+    value = rows[row][column]
+    found = "null (an empty cell, or no such key in that row)" if value is None else \
+        f"{type(value).__name__} {value!r:.100}"
+    where = " (counting the rows of its files in name order)" if Path(source).expanduser().is_dir() else ""
+    raise DataError(f"{source}: row {row + 1}{where}, column {column!r} (data.text_column): expected a string, "
+                    f"found {found}; fix or remove that row")
+
+
 # --- tokenizing -------------------------------------------------------------------------------------
 
-def tokenize(rows: datasets.Dataset, cfg: DataConfig, tokenizer) -> datasets.Dataset:
-    """Rows of {"input_ids", "labels"}, at most cfg.max_length tokens each.
+def tokenize(rows: datasets.Dataset, cfg: DataConfig, tokenizer, source: str | None = None) -> datasets.Dataset:
+    """Rows of {"input_ids", "labels"}, at most cfg.max_length tokens each; `source` (cfg.path by default) is the
+    file or dataset the rows came from, named in errors.
 
     instruction: a user/assistant conversation through the tokenizer's chat template when it has one, else
     the alpaca prompt; chat: the messages through the chat template; text: bos + text + eos. Loss on the
     responses (assistant messages with their end token) only, unless cfg.train_on_prompt; on every token
-    for text. Samples left with no loss-bearing token (after truncation) are dropped.
+    for text. Samples left with no loss-bearing token (after truncation) are dropped. Both are logged, once per
+    call: how many samples were dropped, and how many were truncated and by how many tokens.
     """
-    render = _renderer(cfg, tokenizer)
+    render = _renderer(cfg, tokenizer, source or cfg.path)
     tokenized = _map(rows, _tokenize_batch, "Tokenizing", render=render, tokenizer=tokenizer,
                      train_on_prompt=cfg.train_on_prompt, max_length=cfg.max_length)
     dropped = len(rows) - len(tokenized)
     if dropped:
         logger.warning(f"dropped {dropped} of {len(rows)} samples: no token left to take loss on "
                        f"(data.max_length={cfg.max_length}, or no response in the sample)")
-    return tokenized
+    _log_truncation([cut for cut in tokenized["cut_tokens"] if cut], len(tokenized), cfg.max_length)
+    return tokenized.remove_columns("cut_tokens")
+
+
+def _log_truncation(cuts: list[int], samples: int, max_length: int) -> None:
+    # logger, not log_once: log_once says a message once per process, and a Hydra multirun trains its jobs in one
+    # process, each with a log of its own that must say what its data lost.
+    if cuts:
+        logger.warning(f"data.max_length={max_length} truncated {len(cuts)} of {samples} samples, cutting "
+                       f"{sum(cuts)} tokens off their ends; raise data.max_length to keep them")
 
 
 # datasets names a map's cache file by a hash of the function's name, not of its code: this module's source
@@ -163,7 +202,7 @@ def _map(rows: datasets.Dataset, function, desc: str, **kwargs) -> datasets.Data
                     new_fingerprint=fingerprint, desc=desc)
 
 
-def _renderer(cfg: DataConfig, tokenizer):
+def _renderer(cfg: DataConfig, tokenizer, source: str):
     data_format = DataFormat(cfg.format)
     if data_format is DataFormat.text:
         return partial(_render_text, column=cfg.text_column)
@@ -175,7 +214,7 @@ def _renderer(cfg: DataConfig, tokenizer):
         raise DataError(f"data.format=chat needs a tokenizer with a chat template, and {name} has none; "
                         "use data.format=instruction (alpaca prompt) or data.format=text, "
                         "or a tokenizer that has a chat template")
-    return partial(_render_chat, column=cfg.messages_column, tokenizer=tokenizer)
+    return partial(_render_chat, column=cfg.messages_column, tokenizer=tokenizer, source=source)
 
 
 def _tokenize_batch(batch: dict[str, list], render, tokenizer, train_on_prompt: bool,
@@ -183,13 +222,17 @@ def _tokenize_batch(batch: dict[str, list], render, tokenizer, train_on_prompt: 
     rendered = [render(dict(zip(batch, values))) for values in zip(*batch.values())]
     # The rendered text holds its special tokens already (a chat template writes bos), so add none.
     encodings = tokenizer([r.text for r in rendered], add_special_tokens=False, return_offsets_mapping=True)
-    out = {"input_ids": [], "labels": []}
+    # cut_tokens: how many tokens truncation took off each sample, a column of its own (removed once counted) so that
+    # the count comes back with the rest from datasets' cache
+    out = {"input_ids": [], "labels": [], "cut_tokens": []}
     for sample, ids, offsets in zip(rendered, encodings["input_ids"], encodings["offset_mapping"]):
         ids, labels = _label(sample, ids, offsets, tokenizer, train_on_prompt)
+        cut = max(len(ids) - max_length, 0)
         ids, labels = ids[:max_length], labels[:max_length]
         if any(label != IGNORE for label in labels):
             out["input_ids"].append(ids)
             out["labels"].append(labels)
+            out["cut_tokens"].append(cut)
     return out
 
 
@@ -239,15 +282,15 @@ def _render_instruction(row: dict, columns: tuple[str, str, str], tokenizer) -> 
     return _Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))], bos=True, eos=True)
 
 
-def _render_chat(row: dict, column: str, tokenizer) -> _Rendered:
+def _render_chat(row: dict, column: str, tokenizer, source: str) -> _Rendered:
     messages = row[column]
     if not isinstance(messages, list):
-        raise DataError(f"data.messages_column={column}: expected a list of {{role, content}} messages, "
+        raise DataError(f"{source}: data.messages_column={column}: expected a list of {{role, content}} messages, "
                         f"found {type(messages).__name__}: {messages!r:.200}")
     for message in messages:
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
-            raise DataError(f"data.messages_column={column}: each message needs a \"role\" and a \"content\" "
+            raise DataError(f"{source}: data.messages_column={column}: each message needs a \"role\" and a \"content\" "
                             f"string, found {message!r:.200} in {messages!r:.300}")
     return _render_conversation(messages, tokenizer)
 
@@ -334,12 +377,27 @@ class Collator:
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """load_splits -> tokenize -> pack (when cfg.packing), train and eval alike; rows are plain Python lists."""
     train, evaluation = load_splits(cfg, seed)
-    return _prepare(train, cfg, tokenizer), (None if evaluation is None else _prepare(evaluation, cfg, tokenizer))
+    eval_source = cfg.eval_path or cfg.path
+    return (_prepare(train, cfg, tokenizer, cfg.path),
+            None if evaluation is None else _prepare(evaluation, cfg, tokenizer, eval_source))
 
 
-def _prepare(rows: datasets.Dataset, cfg: DataConfig, tokenizer) -> datasets.Dataset:
-    tokenized = tokenize(rows, cfg, tokenizer)
+def _prepare(rows: datasets.Dataset, cfg: DataConfig, tokenizer, source: str) -> datasets.Dataset:
+    tokenized = tokenize(rows, cfg, tokenizer, source)
     return pack(tokenized, cfg.max_length) if cfg.packing else tokenized
+
+
+def count_sample_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens of a Collator batch that belong to its samples: every one but the padding."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    # Packed rows: a row's padding is its last sequence (its positions restart at 0), and the only sequence without
+    # a loss-bearing label, since tokenize drops the samples that have none.
+    positions, labelled = batch["position_ids"], batch["labels"] != IGNORE  # [B, T] each
+    columns = torch.arange(positions.shape[1])
+    last = columns >= torch.where(positions == 0, columns, 0).amax(dim=1, keepdim=True)  # each row's last sequence
+    padding = last & ~(labelled & last).any(dim=1, keepdim=True)
+    return positions.numel() - int(padding.sum())
 
 
 def count_loss_tokens(labels: torch.Tensor) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"  # written last: a run directory without it is a run that has not finished
 
 
 class MetricsLog:

@@ -2,24 +2,36 @@
 
 A run directory belongs to one run: a fresh start refuses one that holds checkpoints, a run resumed from another
 run's checkpoint refuses one too, and a resumed run must keep the settings that decide its base model, data order,
-adapter and optimizer state (`fixed_settings`), and have steps left.
+adapter and optimizer state (`fixed_settings`), and have steps left, or final files left to write.
 """
+import logging
 from enum import Enum
 from pathlib import Path
 
+import torch
+
 from .checkpoint import checkpoints_dir, latest_checkpoint, read_trainer_state
 from .config import ConfigError, FinetuneConfig
+from .metrics import SUMMARY_FILE
+
+logger = logging.getLogger(__name__)
 
 
-def fixed_settings(cfg: FinetuneConfig, processes: int) -> dict:
-    """The settings a resumed run must share with its checkpoint. (train.max_steps, logging, saving and eval
+def fixed_settings(cfg: FinetuneConfig, processes: int, precision: str, storage_dtype: torch.dtype) -> dict:
+    """The settings a resumed run must share with its checkpoint, `precision` (accelerate's mixed-precision mode) and
+    `storage_dtype` (the frozen weights' dtype) as this run resolved them. (train.max_steps, logging, saving and eval
     settings, the attention implementation and trust_remote_code may change.)"""
     settings = {f"{group}.{key}": value.value if isinstance(value, Enum) else value
                 for group in ("data", "lora", "optim") for key, value in vars(getattr(cfg, group)).items()
                 if key != "cache_dir"}
     # the base model the adapter was trained on (the checkpoint holds the adapter alone)
     settings |= {f"model.{key}": getattr(cfg.model, key)
-                 for key in ("name_or_path", "tokenizer", "random_init", "config_overrides", "dtype")}
+                 for key in ("name_or_path", "tokenizer", "random_init", "config_overrides")}
+    # Resolved, not as written: model.dtype=auto stores the base in train.precision's dtype, and train.precision=auto
+    # is bf16 on CUDA and no elsewhere. Another storage dtype changes the frozen weights the adapter was trained on,
+    # and another mixed-precision mode the numerics (fp16's grad scaler state exists in fp16 checkpoints only).
+    settings["model.dtype (frozen weights, auto resolved)"] = str(storage_dtype).removeprefix("torch.")
+    settings["train.precision (auto resolved)"] = precision
     settings["train.seed"] = cfg.train.seed
     settings["processes"] = processes  # each restores its own RNG state
     settings["global batch (train.batch_size x processes x train.grad_accum)"] = (
@@ -44,15 +56,23 @@ def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> 
     if saved is None:
         raise ConfigError(f"train.resume={resume}: not a checkpoint (a step-N directory under "
                           "<run_dir>/checkpoints, holding trainer_state.json)")
-    if checkpoint.resolve().parent != checkpoints_dir(run_dir).resolve() and latest_checkpoint(run_dir) is not None:
+    own = checkpoint.resolve().parent == checkpoints_dir(run_dir).resolve()
+    if not own and latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"train.resume={resume}: run_dir={run_dir} holds checkpoints of its own run; continue "
                           "another run's checkpoint in a fresh run_dir, so that the two runs' metrics and "
                           "checkpoints stay apart")
-    if saved["step"] >= cfg.train.max_steps:
+    # A run whose training ended but whose last files were not all written (a crash while merging, say) resumes
+    # its final checkpoint to write them; the summary is written last.
+    unfinished = own and saved["step"] == cfg.train.max_steps and not (run_dir / SUMMARY_FILE).exists()
+    if saved["step"] >= cfg.train.max_steps and not unfinished:
         raise ConfigError(f"train.resume: {checkpoint} is at step {saved['step']}, and train.max_steps="
                           f"{cfg.train.max_steps}: raise train.max_steps to train further")
-    changed = [f"{key}: {saved['config'].get(key)!r} in the checkpoint, {value!r} now"
-               for key, value in settings.items() if saved["config"].get(key) != value]
+    unchecked = [key for key in settings if key not in saved["config"]]
+    if unchecked:  # a checkpoint from a version that did not record them: resumable, with what it did record
+        logger.warning("train.resume: %s records no %s (saved by an earlier lorafuse): not compared", checkpoint,
+                       ", ".join(unchecked))
+    changed = [f"{key}: {saved['config'][key]!r} in the checkpoint, {value!r} now"
+               for key, value in settings.items() if key in saved["config"] and saved["config"][key] != value]
     if changed:
         raise ConfigError("train.resume: these settings differ from the checkpoint's, so the run would not "
                           "continue as it was: " + "; ".join(changed))

@@ -9,12 +9,13 @@ The loss of an optimizer step is the mean over every label token of its global b
 processes), so one process with grad_accum=2 computes the same step as two processes with grad_accum=1.
 """
 import gc
+import inspect
 import json
 import logging
 import math
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -26,10 +27,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..hf import loading
 from .batches import ShardedBatches, eval_batches
-from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, publishing, save_checkpoint
 from .config import ConfigError, FinetuneConfig, OnNonFinite, Precision, validate
-from .data import Collator, build_datasets, count_loss_tokens
-from .metrics import METRICS_FILE, MetricsLog, plot_loss_curve
+from .data import IGNORE, Collator, build_datasets, count_loss_tokens, count_sample_tokens
+from .metrics import METRICS_FILE, SUMMARY_FILE, MetricsLog, plot_loss_curve, read_metrics
 from .optim import build_optimizer, build_scheduler
 from .profiling import StepProfiler
 from .resume import checkpoint_to_resume, fixed_settings
@@ -59,12 +60,13 @@ class Finetune:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.accelerator.register_for_checkpointing(self.scheduler)
         keep_trainable_weights_only(self.accelerator)
+        settings = fixed_settings(cfg, self.accelerator.num_processes, precision,
+                                  _storage_dtype(cfg.model.dtype, precision))
         # log_window: the loss sum and finite steps since the last log line, saved with checkpoints so that a resumed
         # run logs the same averages as an uninterrupted one.
-        self.state = {"step": 0, "tokens": 0, "skipped_steps": 0, "log_window": [0.0, 0],
-                      "config": fixed_settings(cfg, self.accelerator.num_processes)}
+        self.state = {"step": 0, "tokens": 0, "skipped_steps": 0, "log_window": [0.0, 0], "config": settings}
         self._unsummed_tokens = 0  # this process's tokens not yet added to state["tokens"] (see _sum_tokens)
-        self._resume()
+        self.resumed_from = self._resume()
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -141,28 +143,35 @@ class Finetune:
                               f"(train.batch_size={train.batch_size} x {self.accelerator.num_processes} processes x "
                               f"train.grad_accum={train.grad_accum}): lower them, or give more data")
 
-    def _resume(self) -> None:
+    def _resume(self) -> Path | None:
+        """The checkpoint train.resume names, loaded (None: a fresh start)."""
         checkpoint = checkpoint_to_resume(self.cfg, self.run_dir, self.state["config"])
         if checkpoint is None:
-            return
+            return None
         self.state = load_checkpoint(self.accelerator, checkpoint)
         if self.accelerator.is_main_process:
             logger.info("resumed from %s at step %d", checkpoint, self.state["step"])
+        return checkpoint
 
     # ---- training -----------------------------------------------------------------------------------------------
 
     def train(self) -> dict:
-        cfg, acc = self.cfg.train, self.accelerator
         start = self.state["step"]
+        log = MetricsLog(self.run_dir, resumed_from=start) if self.accelerator.is_main_process else None
+        profiler = self._profiler(self.cfg.train.max_steps - start)
+        with _collector_frozen():
+            self._run_steps(start, log, profiler)
+        if profiler:
+            profiler.stop()
+        summary = self._finish(log)
+        return summary
+
+    def _run_steps(self, start: int, log: MetricsLog | None, profiler: StepProfiler | None) -> None:
+        """Optimizer steps start + 1 ... train.max_steps, with their logging, evals and checkpoints."""
+        cfg, acc = self.cfg.train, self.accelerator
         batches = self._train_batches(start)
-        log = MetricsLog(self.run_dir, resumed_from=start) if acc.is_main_process else None
-        profiler = self._profiler(cfg.max_steps - start)
         window = {"tokens_before": self.state["tokens"], "time": time.perf_counter()}
         consecutive_skips = 0
-        # Set-up made most of the process's objects (modules, parameters, datasets) and none of them become garbage:
-        # frozen, they are left out of the collector's full passes, whose pauses would otherwise stall every
-        # process of a distributed step at the next collective.
-        gc.freeze()
         if start == 0 and cfg.eval_every:
             self._log_eval(0, log)  # the loss before training: what the rest is measured against
             window["time"] = time.perf_counter()  # eval time stays out of tokens/s
@@ -175,6 +184,7 @@ class Finetune:
                 consecutive_skips = 0 if finite else consecutive_skips + 1
                 if not finite:
                     self._non_finite(step, loss, grad_norm, consecutive_skips)
+                lr = self.scheduler.get_last_lr()[0]  # the rate this step used; the scheduler now moves to the next
                 self.scheduler.step()
                 self.state["log_window"][0] += loss if finite else 0.0
                 self.state["log_window"][1] += finite
@@ -183,17 +193,13 @@ class Finetune:
                     profiler.step()
                 bar.update(1)
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
-                    self._log_train(step, window, grad_norm, bar, log)
+                    self._log_train(step, window, lr, grad_norm, bar, log)
                 paused = time.perf_counter()  # eval and save time stays out of tokens/s
                 if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
                     self._log_eval(step, log)
                 if cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0 and step != cfg.max_steps:
                     self._save(step)
                 window["time"] += time.perf_counter() - paused
-        if profiler:
-            profiler.stop()
-        summary = self._finish(log)
-        return summary
 
     def _profiler(self, steps_left: int) -> StepProfiler | None:
         steps = self.cfg.train.profile_steps
@@ -225,13 +231,13 @@ class Finetune:
         # Gradients are averaged over processes: each divides its token-loss sum by the global count / processes.
         items_per_process = global_items / acc.num_processes
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
-        tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
-                     for b in micro_batches)  # on the host, before the copy to the device: no sync
+        tokens = sum(count_sample_tokens(b) for b in micro_batches)  # on the host, before the copy: no sync
+        takes_num_items = accepts_loss_kwargs(acc.unwrap_model(self.model))  # a signature look-up: once a step
         for index, batch in enumerate(micro_batches):
             batch = {name: tensor.to(acc.device, non_blocking=True) for name, tensor in batch.items()}
             last = index == len(micro_batches) - 1
             with nullcontext() if last else acc.no_sync(self.model):
-                loss = self.model(**batch, num_items_in_batch=items_per_process).loss
+                loss = self._micro_batch_loss(batch, items_per_process, takes_num_items)
                 acc.backward(loss)
             loss_sum += loss.detach().double() * items_per_process
         max_norm = self.cfg.optim.max_grad_norm or float("inf")
@@ -248,6 +254,16 @@ class Finetune:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, tokens, finite
+
+    def _micro_batch_loss(self, batch: dict, items: torch.Tensor, takes_num_items: bool) -> torch.Tensor:
+        """The micro-batch's token-loss sum divided by `items`, so that the micro-steps' gradients add up to those of
+        the mean over the whole accumulated batch. A model that takes num_items_in_batch divides by it itself; one
+        that does not (remote code without **kwargs) would average over its micro-batch alone, so its loss is taken
+        here from its logits, as transformers' causal-LM loss takes it."""
+        if takes_num_items:
+            return self.model(**batch, num_items_in_batch=items).loss
+        inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
+        return _causal_lm_loss_sum(self.model(**inputs).logits, batch["labels"]) / items
 
     def _non_finite(self, step: int, loss: float, grad_norm: float, consecutive: int) -> None:
         cfg = self.cfg.train
@@ -300,12 +316,13 @@ class Finetune:
         self.state["tokens"] += int(acc.reduce(torch.tensor(self._unsummed_tokens, device=acc.device), "sum"))
         self._unsummed_tokens = 0
 
-    def _log_train(self, step: int, window: dict, grad_norm: float, bar: tqdm, log: MetricsLog | None) -> None:
+    def _log_train(self, step: int, window: dict, lr: float, grad_norm: float, bar: tqdm,
+                   log: MetricsLog | None) -> None:
         self._sum_tokens()
         elapsed = time.perf_counter() - window["time"]
         loss_sum, steps = self.state["log_window"]
         loss = loss_sum / steps if steps else float("nan")
-        row = {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+        row = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": (self.state["tokens"] - window["tokens_before"]) / elapsed,
                "tokens": self.state["tokens"]}
         self.state["log_window"] = [0.0, 0]
@@ -330,37 +347,94 @@ class Finetune:
                                keep=self.cfg.train.keep_checkpoints)
 
     def _finish(self, log: MetricsLog | None) -> dict:
-        """The last eval, the final checkpoint, the adapter (and merged model) and the loss curve."""
+        """The last eval and the final checkpoint, then the adapter (and merged model), the loss curve and the summary.
+
+        Each of the last is written beside its name and published by one rename, the summary last: a crash on the
+        way (out of memory while merging, say) leaves no half-written file, and train.resume=true, which then
+        resumes the final checkpoint, writes what is missing."""
         acc, steps = self.accelerator, self.cfg.train.max_steps
-        eval_metrics = self._log_eval(steps, log)
-        checkpoint = self._save(steps)
+        if self.state["step"] < steps:
+            eval_metrics = self._log_eval(steps, log)
+            checkpoint = self._save(steps)
+        else:  # resumed at the last step: the final eval was logged before the final checkpoint was saved
+            eval_metrics = _logged_eval(self.run_dir, steps)
+            checkpoint = self.resumed_from
+            if acc.is_main_process:
+                logger.info("training ended at step %d before the run's last files were written: writing them", steps)
+        adapter, merged = self.run_dir / "adapter", self.run_dir / "merged"
         summary = {"step": steps, "tokens": self.state["tokens"], "skipped_steps": self.state["skipped_steps"],
-                   **eval_metrics, "checkpoint": str(checkpoint), "adapter": str(self.run_dir / "adapter")}
-        adapter = self.run_dir / "adapter"
+                   **eval_metrics, "checkpoint": str(checkpoint), "adapter": str(adapter)}
         if self.cfg.train.save_merged:
-            summary["merged"] = str(self.run_dir / "merged")
+            summary["merged"] = str(merged)
         if acc.is_main_process:
-            shutil.copytree(checkpoint / "adapter", adapter, dirs_exist_ok=True)
-            self.tokenizer.save_pretrained(adapter)
+            with publishing(adapter) as tmp:
+                shutil.copytree(checkpoint / "adapter", tmp)
+                self.tokenizer.save_pretrained(tmp)
             log.close()
-            plot_loss_curve(self.run_dir / METRICS_FILE, self.run_dir / "loss_curve.png")
+            with publishing(self.run_dir / "loss_curve.png") as tmp:
+                plot_loss_curve(self.run_dir / METRICS_FILE, tmp)
         acc.wait_for_everyone()
         acc.end_training()  # the process group ends here: the merge below keeps no other process waiting
         if acc.is_main_process:
             if self.cfg.train.save_merged:
-                self._save_merged(adapter)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+                with publishing(merged) as tmp:
+                    self._save_merged(adapter, tmp)
+            with publishing(self.run_dir / SUMMARY_FILE) as tmp:
+                tmp.write_text(json.dumps(summary, indent=2))
             logger.info("done: %s", json.dumps(summary))
         return summary
 
-    def _save_merged(self, adapter: Path) -> None:
+    def _save_merged(self, adapter: Path, out_dir: Path) -> None:
         """The base model reloaded on the CPU (every distributed layout holds it whole there), the adapter merged."""
         cfg = self.cfg.model
         base = loading.load_causal_lm(
             cfg.name_or_path, dtype=_storage_dtype(cfg.dtype, self.accelerator.mixed_precision),
             attn_implementation="sdpa", random_init=cfg.random_init, config_overrides=dict(cfg.config_overrides),
             trust_remote_code=cfg.trust_remote_code, seed=self.cfg.train.seed)
-        loading.save_merged(base, adapter, self.run_dir / "merged", self.tokenizer)
+        loading.save_merged(base, adapter, out_dir, self.tokenizer)
+
+
+def _logged_eval(run_dir: Path, step: int) -> dict:
+    """The eval metrics logged at `step` in the run's metrics file ({} where no eval ran)."""
+    logged = [row for row in read_metrics(run_dir / METRICS_FILE) if row["step"] == step and "eval_loss" in row]
+    return {key: logged[-1][key] for key in ("eval_loss", "eval_ppl")} if logged else {}
+
+
+def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward takes num_items_in_batch, decided as transformers' Trainer decides it: the model's
+    `accepts_loss_kwargs` where it says, else its forward's signature (a PEFT model passes its keyword arguments on
+    to its base model, whose forward is the one that counts)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed next-token cross-entropy over the labelled tokens, in fp32, computed as transformers' ForCausalLMLoss
+    computes it (label t predicted at position t-1), so that dividing it by the token count gives the same loss."""
+    # logits: [B, T, V], labels: [B, T]
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().to(logits.device),
+                                             ignore_index=IGNORE, reduction="sum")
+
+
+@contextmanager
+def _collector_frozen():
+    """The training loop with the objects that exist now frozen out of the garbage collector's full passes.
+
+    Set-up made most of the process's objects (modules, parameters, datasets) and none of them become garbage while
+    training: frozen, they are left out of the full passes, whose pauses would otherwise stall every process of a
+    distributed step at the next collective. Unfrozen when the loop ends, however it ends: a Hydra multirun trains
+    its jobs one after another in one process, and a frozen object is never collected, so every finished job's
+    model would stay in memory wherever a reference cycle holds it (accelerate's mixed-precision forward makes one).
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _resolve_precision(precision: Precision) -> str:

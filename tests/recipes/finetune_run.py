@@ -16,12 +16,12 @@ QUICK = ["data.max_samples=240", "train.batch_size=4", "train.grad_accum=2", "tr
 KILL_DURING_SAVE = """
 import os, runpy, signal, sys
 import lorafuse.train.checkpoint as checkpoint
-publish = checkpoint._publish
+publish = checkpoint.publish
 def publish_or_die(tmp, final):
     if final.name == os.environ["KILL_AT"]:
         os.kill(os.getpid(), signal.SIGKILL)
     publish(tmp, final)
-checkpoint._publish = publish_or_die
+checkpoint.publish = publish_or_die
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from lorafuse.train.config import DataConfig, DataFormat
-from lorafuse.train.data import (Collator, DataError, build_datasets, count_loss_tokens, load_splits, pack,
-                                 tokenize)
+from lorafuse.train.data import (Collator, DataError, build_datasets, count_loss_tokens, count_sample_tokens,
+                                 load_splits, pack, tokenize)
 
 ASSETS = Path(__file__).resolve().parents[2] / "lorafuse" / "assets"
 IGNORE = -100
@@ -206,7 +206,7 @@ def test_chat_with_train_on_prompt_labels_system_and_user_text_too(tokenizer):
     assert labelled_text(tokenizer, sample) == "<|user|>\nWhat is 3 plus 4?<|end|>\n<|assistant|>\n7<|end|>\n"
 
 
-def test_truncation_keeps_the_first_max_length_tokens_and_drops_samples_left_without_loss(tokenizer, caplog):
+def test_truncation_keeps_the_first_max_length_tokens_logs_the_cut_and_drops_samples_without_loss(tokenizer, caplog):
     long_row = {"instruction": "Repeat the word zorbal 2 times.", "input": "", "output": "zorbal zorbal"}
     [full] = tokenized([long_row], tokenizer)
     prompt_length = full["labels"].index(next(label for label in full["labels"] if label != IGNORE))
@@ -214,7 +214,12 @@ def test_truncation_keeps_the_first_max_length_tokens_and_drops_samples_left_wit
     [cut] = tokenized([long_row, {**long_row, "instruction": long_row["instruction"] * 3}], tokenizer,
                       max_length=prompt_length + 2)
     assert cut == {"input_ids": full["input_ids"][:prompt_length + 2], "labels": full["labels"][:prompt_length + 2]}
-    assert [record.getMessage().split(":")[0] for record in caplog.records] == ["dropped 1 of 2 samples"]
+    max_length, lost = prompt_length + 2, len(full["input_ids"]) - prompt_length - 2
+    assert [record.getMessage() for record in caplog.records] == [
+        f"dropped 1 of 2 samples: no token left to take loss on (data.max_length={max_length}, or no response in "
+        "the sample)",
+        f"data.max_length={max_length} truncated 1 of 1 samples, cutting {lost} tokens off their ends; raise "
+        "data.max_length to keep them"]
 
 
 # --- packing and collation ----------------------------------------------------------------------------------
@@ -268,6 +273,20 @@ def test_collator_gives_packed_padding_its_own_positions_and_no_attention_mask()
     assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3, 4, 5]]
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [1, 2, 0, 0, 0, 0, 0, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 6, IGNORE, 8, 9] + [IGNORE] * 3, [IGNORE, 2] + [IGNORE] * 6]
+
+
+def test_count_sample_tokens_leaves_the_padding_out():
+    packed = [{"input_ids": [5, 6, 7, 8, 9], "labels": [IGNORE, 6, IGNORE, 8, 9], "position_ids": [0, 1, 0, 1, 2]},
+              {"input_ids": [1, 2], "labels": [IGNORE, 2], "position_ids": [0, 1]},
+              # as long as the batch: no padding, and its last sample's last labels are -100 (a chat template's tail)
+              {"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "labels": [IGNORE, 2, 3, IGNORE, IGNORE, 6, IGNORE, IGNORE],
+               "position_ids": [0, 1, 2, 0, 1, 2, 3, 4]}]
+    batch = Collator(pad_token_id=0, pad_to_multiple_of=4)(packed)
+    assert batch["input_ids"].shape == (3, 8)
+    assert count_sample_tokens(batch) == 5 + 2 + 8
+    unpacked = Collator(pad_token_id=0, pad_to_multiple_of=4)([{k: item[k] for k in ("input_ids", "labels")}
+                                                                for item in packed])
+    assert count_sample_tokens(unpacked) == 5 + 2 + 8
 
 
 def test_count_loss_tokens_skips_the_first_column():
@@ -330,3 +349,33 @@ def test_a_chat_template_that_renders_prefixes_differently_is_refused(plain_toke
     rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
     with pytest.raises(DataError, match="does not render the first messages of a conversation as the start"):
         tokenized(rows, plain_tokenizer, format=DataFormat.chat)
+
+
+@pytest.mark.parametrize("second_row, found", [
+    ({"text": None}, "found null (an empty cell, or no such key in that row)"),
+    ({"other": "no text key"}, "found null (an empty cell, or no such key in that row)"),
+    ({"text": 123}, "found int 123"),
+    ({"text": ["The vono", "is red."]}, "found list ['The vono', 'is red.']"),
+])
+def test_a_text_row_without_a_string_names_the_file_the_row_and_the_column(tmp_path, second_row, found):
+    # A plain-text row is the whole sample: a null or a number there is broken data, not an empty sample.
+    path = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "The vono is red."}, second_row, {"text": "Bye."}])
+    with pytest.raises(DataError) as error:
+        load_splits(config(path, format=DataFormat.text, eval_fraction=0.5), seed=0)
+    assert str(error.value) == (f"{path}: row 2, column 'text' (data.text_column): expected a string, {found}; "
+                                "fix or remove that row")
+
+
+def test_a_text_column_of_numbers_names_its_first_row(tmp_path):
+    path = tmp_path / "corpus.parquet"
+    pd.DataFrame({"text": [1.5, 2.5]}).to_parquet(path, index=False)
+    with pytest.raises(DataError, match=r"corpus.parquet: row 1, column 'text' \(data.text_column\): expected a "
+                                        r"string, found float 1.5"):
+        load_splits(config(path, format=DataFormat.text), seed=0)
+
+
+def test_a_chat_message_without_a_role_names_the_file(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"content": "Hi"},
+                                                                {"role": "assistant", "content": "Hello"}]}])
+    with pytest.raises(DataError, match=rf"^{path}: data.messages_column=messages: each message needs a \"role\""):
+        build_datasets(config(path, format=DataFormat.chat), tokenizer, seed=0)
