@@ -8,7 +8,7 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"  # written last: a run directory without it is a run that has not finished
+SUMMARY_FILE = "summary.json"  # written last: a run has finished when its summary is of its last step
 
 
 class MetricsLog:

@@ -1,5 +1,7 @@
 """AdamW over the trainable parameters, and the learning-rate schedule: linear warmup, then cosine or linear decay
-down to lr * min_lr_ratio at the last step, or a constant lr."""
+toward lr * min_lr_ratio, or a constant lr. The decay reaches its end one step after the last, as transformers' and
+torchtune's schedules do (the scheduler steps after each optimizer step): the last step runs just above the minimum,
+and a run of one step at the full rate."""
 import math
 
 import torch
@@ -17,15 +19,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """The multiplier of cfg.lr for optimizer step `step` (0-based) of `total_steps`: the first step after warmup
-    runs at 1, the last (total_steps - 1) at cfg.min_lr_ratio."""
+    """The multiplier of cfg.lr for optimizer step `step` (0-based) of `total_steps`."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.scheduler is Scheduler.constant:
         return 1.0
-    # The decay steps are warmup_steps ... total_steps - 1; one of them alone is the last step, at the minimum.
-    decay_steps = total_steps - cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / (decay_steps - 1)) if decay_steps > 1 else 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.scheduler is Scheduler.cosine else 1 - progress
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
 

@@ -4,6 +4,7 @@ A run directory belongs to one run: a fresh start refuses one that holds checkpo
 run's checkpoint refuses one too, and a resumed run must keep the settings that decide its base model, data order,
 adapter and optimizer state (`fixed_settings`), and have steps left, or final files left to write.
 """
+import json
 import logging
 from enum import Enum
 from pathlib import Path
@@ -62,8 +63,10 @@ def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> 
                           "another run's checkpoint in a fresh run_dir, so that the two runs' metrics and "
                           "checkpoints stay apart")
     # A run whose training ended but whose last files were not all written (a crash while merging, say) resumes
-    # its final checkpoint to write them; the summary is written last.
-    unfinished = own and saved["step"] == cfg.train.max_steps and not (run_dir / SUMMARY_FILE).exists()
+    # its final checkpoint to write them. The summary is written last, so the run is unfinished unless a summary of
+    # this step exists (a run extended past an earlier end keeps that end's summary until it writes its own).
+    unfinished = (own and saved.get("final", False) and saved["step"] == cfg.train.max_steps
+                  and _summary_step(run_dir) != saved["step"])
     if saved["step"] >= cfg.train.max_steps and not unfinished:
         raise ConfigError(f"train.resume: {checkpoint} is at step {saved['step']}, and train.max_steps="
                           f"{cfg.train.max_steps}: raise train.max_steps to train further")
@@ -77,3 +80,11 @@ def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> 
         raise ConfigError("train.resume: these settings differ from the checkpoint's, so the run would not "
                           "continue as it was: " + "; ".join(changed))
     return checkpoint
+
+
+def _summary_step(run_dir: Path) -> int | None:
+    """The step of the run's summary, or None where it has none (or one that cannot be read)."""
+    try:
+        return json.loads((run_dir / SUMMARY_FILE).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

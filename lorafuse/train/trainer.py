@@ -343,7 +343,9 @@ class Finetune:
 
     def _save(self, step: int) -> Path:
         self._sum_tokens()
-        return save_checkpoint(self.accelerator, self.model, self.run_dir, step, self.state,
+        # final: the checkpoint that ends the run, after which only the run's last files are left to write
+        state = {**self.state, "final": step == self.cfg.train.max_steps}
+        return save_checkpoint(self.accelerator, self.model, self.run_dir, step, state,
                                keep=self.cfg.train.keep_checkpoints)
 
     def _finish(self, log: MetricsLog | None) -> dict:
@@ -357,7 +359,8 @@ class Finetune:
             eval_metrics = self._log_eval(steps, log)
             checkpoint = self._save(steps)
         else:  # resumed at the last step: the final eval was logged before the final checkpoint was saved
-            eval_metrics = _logged_eval(self.run_dir, steps)
+            # read by the main process alone, which writes the summary and has just rewritten that file (MetricsLog)
+            eval_metrics = _logged_eval(self.run_dir, steps) if acc.is_main_process else {}
             checkpoint = self.resumed_from
             if acc.is_main_process:
                 logger.info("training ended at step %d before the run's last files were written: writing them", steps)

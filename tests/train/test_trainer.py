@@ -179,8 +179,8 @@ def test_a_model_without_loss_kwargs_gets_the_loss_per_token_of_the_whole_accumu
 # --- metrics ---------------------------------------------------------------------------------------------------
 
 def test_each_step_logs_the_rate_it_ran_at_and_the_tokens_of_its_samples(tmp_path):
-    """The lr of a step's row is the one its optimizer step used (the last step's is lr * min_lr_ratio), and the
-    tokens are its samples' tokens, the padding of packed rows left out."""
+    """The lr of a step's row is the one its optimizer step used (not the next step's, which the scheduler has moved
+    to by the time the row is logged), and the tokens are its samples' tokens, the padding of packed rows left out."""
     job = finetune(tmp_path / "run", "data=demo_text", "data.packing=true", "train.max_steps=4",
                    "optim.warmup_steps=1")
     used, optimizer_step = [], job.optimizer.step
@@ -188,7 +188,8 @@ def test_each_step_logs_the_rate_it_ran_at_and_the_tokens_of_its_samples(tmp_pat
     job.train()
     rows = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in row]
     assert [row["lr"] for row in rows] == used
-    assert used[0] == used[1] == job.cfg.optim.lr and used[-1] == pytest.approx(job.cfg.optim.lr * 0.1)
+    assert used[0] == used[1] == job.cfg.optim.lr and len(set(used)) == len(used) - 1  # warmup, then decay
+    assert job.scheduler.get_last_lr()[0] not in used  # the rate after the last step
 
     batches = iter(ShardedBatches(len(job.train_set), job.cfg.train.batch_size, job.cfg.train.seed))
     steps = [[job.train_set[i] for i in next(batches)] for _ in rows]  # each step's packed rows
@@ -225,3 +226,42 @@ def test_a_crash_while_writing_the_last_files_leaves_none_half_written_and_resum
     end_job()
     with pytest.raises(ConfigError, match="is at step 2, and train.max_steps=2: raise train.max_steps"):
         finetune(run_dir, "train.resume=true")  # finished: nothing left to do
+
+
+def test_a_run_extended_past_its_end_is_finished_by_resume_despite_the_earlier_summary(tmp_path, monkeypatch):
+    # The summary of the first end (step 2) stays while the run is extended to step 4; a crash while writing the
+    # second end's files must still leave the run resumable to write them.
+    run_dir = tmp_path / "run"
+    finetune(run_dir).train()
+    end_job()
+    with monkeypatch.context() as patch:
+        patch.setattr(loading, "save_merged", merge_until_out_of_memory)
+        with pytest.raises(MemoryError):
+            finetune(run_dir, "train.max_steps=4", "train.resume=true", "train.save_merged=true").train()
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 2
+    end_job()
+    summary = finetune(run_dir, "train.max_steps=4", "train.resume=true", "train.save_merged=true").train()
+    assert summary["step"] == 4 and json.loads((run_dir / "summary.json").read_text()) == summary
+    assert (run_dir / "merged" / "config.json").is_file()
+
+
+def test_a_checkpoint_before_the_end_is_not_taken_for_a_finished_run(tmp_path):
+    # A run of 4 steps with a checkpoint every 2, stopped after step 2's save, resumed with train.max_steps=2: the
+    # step-2 checkpoint was not its run's last, so there is no run to finish, only steps to train
+    run_dir = tmp_path / "run"
+    job = finetune(run_dir, "train.max_steps=4", "train.save_every_n_steps=2")
+    train_step, done = job._train_step, []
+
+    def killed_in_step_3(micro_batches):
+        if len(done) == 2:  # steps 1 and 2 trained, step 2 saved
+            raise KeyboardInterrupt
+        done.append(1)
+        return train_step(micro_batches)
+
+    job._train_step = killed_in_step_3
+    with pytest.raises(KeyboardInterrupt):
+        job.train()
+    assert latest_checkpoint(run_dir).name == "step-000002"
+    end_job()
+    with pytest.raises(ConfigError, match="is at step 2, and train.max_steps=2: raise train.max_steps"):
+        finetune(run_dir, "train.max_steps=2", "train.resume=true")
