@@ -140,7 +140,7 @@ def main():
         write_rows(rows_of(env, "timing_order", shape, times, baseline), "timing_order", out_dirs)
         summary += summarize("attention", shape, times, baseline, "lorafuse",
                              (("lorafuse_copy", "fwd"), ("lorafuse", "fwd")))
-        del calls, keep
+        del calls, keep  # keep: the tensors the graphs read, alive while they replay
         torch.cuda.empty_cache()
     shape, calls, baseline, keep = layer_graphs(4096, 4096, 0.05)
     times = probe("lora_layer", shape, calls, baseline, args.reps, rounds=100)

@@ -57,6 +57,7 @@ class Finetune:
         self._check_batch_fits()
         # Prepared together: under FSDP2 accelerate points the optimizer at the sharded parameters.
         self.model, self.optimizer = self.accelerator.prepare(model, build_optimizer(model, cfg.optim))
+        self.takes_num_items = accepts_loss_kwargs(model)  # how its loss is normalised (_micro_batch_loss)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.accelerator.register_for_checkpointing(self.scheduler)
         keep_trainable_weights_only(self.accelerator)
@@ -232,12 +233,11 @@ class Finetune:
         items_per_process = global_items / acc.num_processes
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         tokens = sum(count_sample_tokens(b) for b in micro_batches)  # on the host, before the copy: no sync
-        takes_num_items = accepts_loss_kwargs(acc.unwrap_model(self.model))  # a signature look-up: once a step
         for index, batch in enumerate(micro_batches):
             batch = {name: tensor.to(acc.device, non_blocking=True) for name, tensor in batch.items()}
             last = index == len(micro_batches) - 1
             with nullcontext() if last else acc.no_sync(self.model):
-                loss = self._micro_batch_loss(batch, items_per_process, takes_num_items)
+                loss = self._micro_batch_loss(batch, items_per_process)
                 acc.backward(loss)
             loss_sum += loss.detach().double() * items_per_process
         max_norm = self.cfg.optim.max_grad_norm or float("inf")
@@ -255,12 +255,12 @@ class Finetune:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, tokens, finite
 
-    def _micro_batch_loss(self, batch: dict, items: torch.Tensor, takes_num_items: bool) -> torch.Tensor:
+    def _micro_batch_loss(self, batch: dict, items: torch.Tensor) -> torch.Tensor:
         """The micro-batch's token-loss sum divided by `items`, so that the micro-steps' gradients add up to those of
         the mean over the whole accumulated batch. A model that takes num_items_in_batch divides by it itself; one
         that does not (remote code without **kwargs) would average over its micro-batch alone, so its loss is taken
         here from its logits, as transformers' causal-LM loss takes it."""
-        if takes_num_items:
+        if self.takes_num_items:
             return self.model(**batch, num_items_in_batch=items).loss
         inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
         return _causal_lm_loss_sum(self.model(**inputs).logits, batch["labels"]) / items

@@ -170,6 +170,7 @@ def test_a_model_without_loss_kwargs_gets_the_loss_per_token_of_the_whole_accumu
     micro_batches = [job.collate(samples[:2]), job.collate(samples[2:])]  # 2 and 6 samples: unequal token counts
     expected = step_gradients(job, micro_batches)
     job.model = WithoutLossKwargs(job.model)
+    job.takes_num_items = accepts_loss_kwargs(job.model)  # as set-up decides it for the model it prepares
     loss, grad_norm, gradients = step_gradients(job, micro_batches)
     assert (loss, grad_norm) == expected[:2]
     for gradient, expected_gradient in zip(gradients, expected[2], strict=True):
