@@ -1,22 +1,32 @@
-"""One row times a weight matrix: y = x W^T + bias for x of one row (decoding at batch 1); `gemv_and_shrink` also
-gives the LoRA shrink s = x A^T in the same launch.
+"""A few rows times a weight matrix: y = x W^T + bias for x of 1 to 16 rows (decoding); `gemv_and_shrink` also gives
+the LoRA shrink s = x A^T of one row in the same launch.
 
-At batch 1 the GEMM is a read of W, and cuBLAS's kernels for it reach 1.3-3.4 TB/s on an H200 at Llama-1B's
-projection shapes. This kernel gives each program one or two rows of W over all of K, with no tensor cores and no
-split-K reduction, and reaches 1.9-4.2 TB/s on the same shapes (`.scratch` sweep, H200: q/k/v 5.5 against 7.1 us,
-o 4.4 against 6.6, gate/up 18.5 against 19.9, down 10.9 against 13.8, lm_head 126 against 132). The sums run in
-fp32; y is rounded to the weight's dtype first even when `out` is fp32 (so logits equal those of the layer in the
-weight's dtype up to the order of the sum).
+Decoding reads every weight once per step, and what matters is keeping every SM streaming them:
+  one row    `_gemv`: one or two rows of W a program over all of K, no tensor cores, no split-K reduction. cuBLAS's
+             kernels reach 1.3-3.4 TB/s on an H200 at Llama-1B's projection shapes, this one 1.9-4.2 TB/s (`.scratch`
+             sweep, H200: q/k/v 5.5 against 7.1 us, o 4.4 against 6.6, gate/up 18.5 against 19.9, down 10.9 against
+             13.8, lm_head 126 against 132);
+  2-16 rows  `_few_rows`: one 16-row tensor-core tile of x against a block of W's rows over all of K (no split-K, so
+             one launch and no reduction).
+Both let the next kernel of a captured decode step launch as soon as they start (ops/_dependent_launch.py), which
+cuBLAS's kernels do not: the decode step's adapter kernels then load their lora_B while the GEMM still runs. The
+sums run in fp32; y is rounded to the weight's dtype first even when `out` is fp32 (so logits equal those of the
+layer in the weight's dtype up to the order of the sum).
 """
 import torch
 import triton
 import triton.language as tl
 
+from ._bf16_pieces import split_bf16
 from ._dependent_launch import launch_options, wait_for_inputs
+from ._tiles import dot_precision, sm_count
+
+
+FEW_ROWS = 16  # rows of x in one tensor-core tile of _few_rows; more rows are a GEMM for cuBLAS
 
 
 def gemv_reference(x, weight, bias=None, out=None):
-    # x: [1, K], weight: [N, K], bias: [N] or None, out: [1, N] or None
+    # x: [M, K], weight: [N, K], bias: [N] or None, out: [M, N] or None
     y = torch.nn.functional.linear(x, weight, bias)
     return y if out is None else out.copy_(y)
 
@@ -78,20 +88,87 @@ def _gemv(x_ptr, w_ptr, bias_ptr, y_ptr, a_ptr, s_ptr, N, K, rank, stride_wn, st
         _weight_rows(x_ptr, w_ptr, bias_ptr, y_ptr, block, N, K, stride_wn, HAS_BIAS, BLOCK_N, BLOCK_K, EVEN)
 
 
+@triton.jit
+def chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, stride_mr, stride_mk,
+                  EVEN_K: tl.constexpr, CD: tl.constexpr, ON_PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # x[:, k_start:k_end] @ Mat[m_rows, k_start:k_end]^T as a [BLOCK_M, len(m_rows)] fp32 tile on the tensor cores
+    # (x: [M, K] with unit column stride, Mat: [n_m, K]; rows past n_m read zeros). ON_PIECES: Mat is fp32 and
+    # x bf16 (exact), so three bf16 dots with Mat's pieces give the fp32 product (lora_decode's float32 adapters).
+    # Rows past M repeat x's rows (their results are never stored): x's loads need no row mask, which made the kernel
+    # 15-25 % slower at 2-8 rows than at 16 (H200, probe_few_rows.py).
+    rows = tl.arange(0, BLOCK_M) % M
+    ks = tl.arange(0, BLOCK_K)
+    m_ok = m_rows[:, None] < n_m
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + ks)[None, :]
+    m_ptrs = m_ptr + m_rows[:, None].to(tl.int64) * stride_mr + (k_start + ks)[None, :].to(tl.int64) * stride_mk
+    acc = tl.zeros([BLOCK_M, m_rows.shape[0]], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            m = tl.load(m_ptrs, mask=m_ok, other=0.0, eviction_policy="evict_first")  # weights are read once
+        else:
+            k_ok = (k0 + ks)[None, :] < k_end
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            m = tl.load(m_ptrs, mask=m_ok & k_ok, other=0.0, eviction_policy="evict_first")
+        if ON_PIECES:
+            # chained in the tensor cores' accumulator (not dot_pieces): lora_decode rounds its output to 16 bits,
+            # far above the chain's drift, and the promoted sum measured 0.7 us slower a call at K = 2048 (H200)
+            hi, mid, lo = split_bf16(m)
+            acc = tl.dot(x, tl.trans(lo), tl.dot(x, tl.trans(mid), tl.dot(x, tl.trans(hi), acc)))
+        else:
+            acc = tl.dot(x.to(CD), tl.trans(m.to(CD)), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        m_ptrs += BLOCK_K * stride_mk
+    return acc
+
+
+@triton.jit
+def _few_rows(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # x: [M <= BLOCK_M, K], W: [N, K], bias: [N], y: [M, N] (unit column strides): BLOCK_N columns of y a program
+    wait_for_inputs(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = chunk_product(x_ptr, w_ptr, cols, N, 0, K, M, stride_xm, stride_wn, 1, EVEN_K, x_ptr.dtype.element_ty,
+                        False, BLOCK_M, BLOCK_K, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    rows = tl.arange(0, BLOCK_M)
+    y = acc.to(w_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
 def _config(N, K):
-    # (BLOCK_N, BLOCK_K): the sweep's best, all at 4 warps, 1-2 stages within 1 %; narrow and short weights need
-    # two rows a program to keep enough loads in flight, wide or long ones one (N / BLOCK_N programs).
+    # (BLOCK_N, BLOCK_K) of _gemv: the sweep's best, all at 4 warps, 1-2 stages within 1 %; narrow and short weights
+    # need two rows a program to keep enough loads in flight, wide or long ones one (N / BLOCK_N programs).
     return (2, 1024) if N <= 4096 and K <= 4096 else (1, 512)
 
 
-def _launch(x, weight, bias, y, lora_A, s):
+def _few_rows_config(N, K, device):
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of _few_rows, the best of an H200 sweep at Llama-1B's GEMMs
+    # (probe_few_rows.py): 16 columns a program while that makes at most one program per SM (o, down: the longest
+    # K tiles), 32 for mid-sized weights (q/k/v), 64 for wide ones (gate/up, lm_head)
+    if triton.cdiv(N, 16) <= sm_count(device):
+        return 16, 512, 2, 4
+    return (32, 256, 4, 4) if N < 8192 else (64, 128, 4, 4)
+
+
+def _check(x, weight, bias, y, rows):
+    # x: [M, K], weight: [N, K], bias: [N] or None, y: [M, N]
     N, K = weight.shape
-    if x.shape != (1, K) or weight.stride(1) != 1 or x.stride(-1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} must be [1, {K}] and both x and weight {tuple(weight.shape)} "
-                         "must have unit column stride")
-    if y.shape != (1, N) or y.stride(-1) != 1 or (bias is not None and (bias.shape != (N,) or bias.stride(0) != 1)):
-        raise ValueError(f"gemv: out {tuple(y.shape)} must be [1, {N}] with unit column stride, and bias "
+    if x.shape != (rows, K) or weight.stride(1) != 1 or x.stride(-1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} must be [{rows}, {K}] and both x and weight "
+                         f"{tuple(weight.shape)} must have unit column stride")
+    if y.shape != (rows, N) or y.stride(-1) != 1 or (bias is not None and (bias.shape != (N,) or bias.stride(0) != 1)):
+        raise ValueError(f"gemv: out {tuple(y.shape)} must be [{rows}, {N}] with unit column stride, and bias "
                          f"{None if bias is None else tuple(bias.shape)} a contiguous [{N}]")
+
+
+def _launch_one_row(x, weight, bias, y, lora_A, s):
+    _check(x, weight, bias, y, 1)
+    N, K = weight.shape
     block_n, block_k = _config(N, K)
     rank = 0 if lora_A is None else lora_A.shape[0]
     _gemv[(triton.cdiv(N, block_n) + triton.cdiv(rank, block_n),)](
@@ -100,11 +177,27 @@ def _launch(x, weight, bias, y, lora_A, s):
         EVEN=N % block_n == 0 and K % block_k == 0, num_warps=4, num_stages=2, **launch_options(x.device))
 
 
-def gemv(x, weight, bias=None, out=None):
-    """x W^T + bias for one row; into `out` ([1, N], any float dtype) when given."""
-    # x: [1, K] (unit column stride), weight: [N, K] (unit column stride), bias: [N] contiguous or None
-    y = out if out is not None else torch.empty(1, weight.shape[0], device=x.device, dtype=weight.dtype)
-    _launch(x, weight, bias, y, None, None)
+def _launch_few_rows(x, weight, bias, y, config):
+    _check(x, weight, bias, y, x.shape[0])
+    N, K = weight.shape
+    block_n, block_k, warps, stages = config or _few_rows_config(N, K, x.device)
+    _few_rows[(triton.cdiv(N, block_n),)](
+        x, weight, bias, y, x.shape[0], N, K, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=FEW_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **launch_options(x.device))
+
+
+def gemv(x, weight, bias=None, out=None, config=None):
+    """x W^T + bias for 1 to FEW_ROWS rows; into `out` ([M, N], any float dtype) when given. config: (BLOCK_N,
+    BLOCK_K, num_warps, num_stages) of the few-rows kernel overrides its default (benchmarks)."""
+    # x: [M, K] (unit column stride), weight: [N, K] (unit column stride), bias: [N] contiguous or None
+    if not 1 <= x.shape[0] <= FEW_ROWS:
+        raise ValueError(f"gemv: x has {x.shape[0]} rows; it takes 1 to {FEW_ROWS} (more rows are a GEMM)")
+    y = out if out is not None else torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=weight.dtype)
+    if x.shape[0] == 1:
+        _launch_one_row(x, weight, bias, y, None, None)
+    else:
+        _launch_few_rows(x, weight, bias, y, config)
     return y
 
 
@@ -116,5 +209,5 @@ def gemv_and_shrink(x, weight, lora_A):
         raise ValueError(f"gemv_and_shrink: lora_A {tuple(lora_A.shape)} must have unit column stride")
     y = torch.empty(1, weight.shape[0], device=x.device, dtype=weight.dtype)
     s = torch.empty(1, lora_A.shape[0], device=x.device, dtype=torch.float32)
-    _launch(x, weight, None, y, lora_A, s)
+    _launch_one_row(x, weight, None, y, lora_A, s)
     return y, s

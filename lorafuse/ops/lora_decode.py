@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_pieces import split_bf16, uses_bf16_pieces
+from ._bf16_pieces import uses_bf16_pieces
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .activation import activate, activation_reference
-from .gemv import gemv_and_shrink
+from .gemv import chunk_product, gemv_and_shrink
 from .lora_expand import lora_expand
 from .lora_matmul import add_rank_r
 
@@ -43,39 +43,6 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor) -> b
 
 
 @triton.jit
-def _chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, stride_mr, stride_mk,
-                   EVEN_K: tl.constexpr, CD: tl.constexpr, ON_PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # x[:, k_start:k_end] @ Mat[m_rows, k_start:k_end]^T as a [BLOCK_M, len(m_rows)] fp32 tile (x: [M, K] with unit
-    # column stride, Mat: [n_m, K]; rows past M or n_m read zeros). ON_PIECES: Mat is fp32 and x bf16 (exact), so
-    # three bf16 dots with Mat's pieces give the fp32 product.
-    rows = tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    row_ok, m_ok = rows[:, None] < M, m_rows[:, None] < n_m
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + ks)[None, :]
-    m_ptrs = m_ptr + m_rows[:, None].to(tl.int64) * stride_mr + (k_start + ks)[None, :].to(tl.int64) * stride_mk
-    acc = tl.zeros([BLOCK_M, m_rows.shape[0]], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            m = tl.load(m_ptrs, mask=m_ok, other=0.0, eviction_policy="evict_first")  # weights are read once
-        else:
-            k_ok = (k0 + ks)[None, :] < k_end
-            x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
-            m = tl.load(m_ptrs, mask=m_ok & k_ok, other=0.0, eviction_policy="evict_first")
-        if ON_PIECES:
-            # chained in the tensor cores' accumulator (not dot_pieces): the output is rounded to 16 bits, far above
-            # the chain's drift, and the promoted sum measured 0.7 us slower a call at K = 2048 (H200)
-            hi, mid, lo = split_bf16(m)
-            acc = tl.dot(x, tl.trans(lo), tl.dot(x, tl.trans(mid), tl.dot(x, tl.trans(hi), acc)))
-        else:
-            acc = tl.dot(x.to(CD), tl.trans(m.to(CD)), acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        m_ptrs += BLOCK_K * stride_mk
-    return acc
-
-
-@triton.jit
 def _rows_chunks(x_ptr, w_ptr, a_ptr, part_ptr, low_ptr, M, N, K, k_chunk, shrink_chunk, shrink_splits, rank,
                  stride_xm, stride_wn, stride_wk, stride_ar, stride_ak, EVEN_K: tl.constexpr, LORA_FP32: tl.constexpr,
                  ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -92,7 +59,7 @@ def _rows_chunks(x_ptr, w_ptr, a_ptr, part_ptr, low_ptr, M, N, K, k_chunk, shrin
         ranks = tl.arange(0, R)
         k_start = pid * shrink_chunk
         cd = tl.float32 if LORA_FP32 else x_ptr.dtype.element_ty
-        low = _chunk_product(x_ptr, a_ptr, ranks, rank, k_start, tl.minimum(k_start + shrink_chunk, K), M,
+        low = chunk_product(x_ptr, a_ptr, ranks, rank, k_start, tl.minimum(k_start + shrink_chunk, K), M,
                              stride_xm, stride_ar, stride_ak, EVEN_K, cd, ON_PIECES, BLOCK_M, SHRINK_BLOCK_K,
                              LORA_PRECISION)
         tl.store(low_ptr + (pid * M + rows[:, None]) * R + ranks[None, :], low, mask=rows[:, None] < M)
@@ -101,7 +68,7 @@ def _rows_chunks(x_ptr, w_ptr, a_ptr, part_ptr, low_ptr, M, N, K, k_chunk, shrin
         pid_n, pid_k = (pid - shrink_splits) % blocks_n, (pid - shrink_splits) // blocks_n
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = pid_k * k_chunk
-        acc = _chunk_product(x_ptr, w_ptr, cols, N, k_start, tl.minimum(k_start + k_chunk, K), M, stride_xm,
+        acc = chunk_product(x_ptr, w_ptr, cols, N, k_start, tl.minimum(k_start + k_chunk, K), M, stride_xm,
                              stride_wn, stride_wk, EVEN_K, x_ptr.dtype.element_ty, False, BLOCK_M, BLOCK_K, PRECISION)
         offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
         tl.store(part_ptr + offs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))

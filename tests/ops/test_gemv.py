@@ -1,5 +1,5 @@
-"""gemv: one row times a weight matrix (decoding at batch 1), against float64, with and without bias, odd widths,
-rows of a larger (stacked) buffer, and an fp32 output rounded as the weight's dtype."""
+"""gemv: 1 to 16 rows times a weight matrix (decoding), against float64, with and without bias, odd widths, rows of a
+larger (stacked) buffer, and an fp32 output rounded as the weight's dtype."""
 import importlib
 
 import pytest
@@ -14,28 +14,43 @@ gemv_module = importlib.import_module("lorafuse.ops.gemv")
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("n, k", [(1, 64), (7, 100), (113, 1030), (37, 4500)], ids=str)
 @pytest.mark.parametrize("has_bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("tiles", [None, (1, 256)], ids=["default_tiles", "one_row_a_program"])
-def test_matches_reference(tiles, n, k, has_bias, dtype, monkeypatch):
-    # K on both sides of the config switch (4096) and not a multiple of the K tile, N not one of the row tile; one row
-    # a program (the config of wide weights, whose real widths are too slow for the interpreter) on small ones
-    if tiles is not None:
-        monkeypatch.setattr(gemv_module, "_config", lambda n, k: tiles)
-    x = torch.randn(1, k).to(dtype)
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+@pytest.mark.parametrize("tiles", ["default_tiles", "small_tiles"])
+def test_matches_reference(tiles, rows, n, k, has_bias, dtype, monkeypatch):
+    # K on both sides of the one-row config switch (4096) and not a multiple of the K tile, N not one of the row
+    # tile; small tiles (one row: one row of W a program, the config of wide weights, whose real widths are too slow
+    # for the interpreter; more rows: 16 columns a program) put several programs and K steps on small weights
+    if tiles == "small_tiles":
+        monkeypatch.setattr(gemv_module, "_config", lambda n, k: (1, 256))
+        monkeypatch.setattr(gemv_module, "_few_rows_config", lambda n, k, device: (16, 64, 4, 2))
+    x = torch.randn(rows, k).to(dtype)
     weight = (torch.randn(n, k) / k**0.5).to(dtype)
     bias = torch.randn(n).to(dtype) if has_bias else None
     got = gemv(x, weight, bias)
-    assert got.dtype == dtype and got.shape == (1, n)
+    assert got.dtype == dtype and got.shape == (rows, n)
     exact = gemv_reference(x.double(), weight.double(), None if bias is None else bias.double())
     assert_close(got, exact, dtype, gemv_reference(x, weight, bias))
 
 
-def test_rows_of_a_stacked_buffer_into_an_fp32_output():
-    # The decode step's weights are views into one buffer (rows K apart, not at its start), and its logits are fp32:
-    # the output is rounded as the weight's dtype first, so it equals the bf16 layer's output cast up.
+@pytest.mark.parametrize("n", [2000, 3000, 8200], ids=["16_columns", "32_columns", "64_columns"])
+def test_few_rows_default_tiles_of_each_width(n):
+    # The three default tiles of 2-16 rows, by the weight's width (one program per SM at 16 columns a program)
+    x = torch.randn(8, 72).to(torch.bfloat16)
+    weight = (torch.randn(n, 72) / 72**0.5).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    assert_close(gemv(x, weight, bias), gemv_reference(x.double(), weight.double(), bias.double()), torch.bfloat16,
+                 gemv_reference(x, weight, bias))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rows_of_a_stacked_buffer_into_an_fp32_output(rows):
+    # The decode step's weights are views into one buffer (rows K apart, not at its start), its inputs rows of a
+    # larger buffer, and its logits fp32: the output is rounded as the weight's dtype first, so it equals the bf16
+    # layer's output cast up.
     buffer = (torch.randn(300, 96) / 96**0.5).to(torch.bfloat16)
     weight = buffer[40:253]
-    x = torch.randn(1, 96).to(torch.bfloat16)
-    out = poison(torch.empty(1, 213))
+    x = torch.randn(rows, 2, 96).to(torch.bfloat16)[:, 1]  # row stride 192
+    out = poison(torch.empty(rows, 213))
     gemv(x, weight, out=out)
     assert torch.equal(out, out.to(torch.bfloat16).float())
     assert_close(out.to(torch.bfloat16), gemv_reference(x.double(), weight.double()), torch.bfloat16,
@@ -43,12 +58,18 @@ def test_rows_of_a_stacked_buffer_into_an_fp32_output():
 
 
 def test_bad_shapes_say_what_they_need():
-    with pytest.raises(ValueError, match=r"must be \[1, 64\]"):
-        gemv(torch.randn(2, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="x has 17 rows; it takes 1 to 16"):
+        gemv(torch.randn(17, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match=r"must be \[2, 64\]"):
+        gemv(torch.randn(2, 63), torch.randn(8, 64))
     with pytest.raises(ValueError, match="unit column stride"):
         gemv(torch.randn(1, 64), torch.randn(64, 8).t())
+    with pytest.raises(ValueError, match="unit column stride"):
+        gemv(torch.randn(64, 3).t(), torch.randn(8, 64))
     with pytest.raises(ValueError, match=r"out \(2, 8\) must be \[1, 8\]"):
         gemv(torch.randn(1, 64), torch.randn(8, 64), out=torch.empty(2, 8))
+    with pytest.raises(ValueError, match=r"out \(1, 8\) must be \[3, 8\]"):
+        gemv(torch.randn(3, 64), torch.randn(8, 64), out=torch.empty(1, 8))
     with pytest.raises(ValueError, match="a contiguous"):
         gemv(torch.randn(1, 64), torch.randn(8, 64), torch.randn(16)[::2])
 
