@@ -14,8 +14,8 @@ Per layer, with h the residual stream and x its normed copy (both updated in pla
 Up to 16 rows the GEMMs (and lm_head) are ops.gemv: at batch 1 it reads the weights faster than cuBLAS's kernels,
 and at every batch it lets the kernel after it launch as it starts, which cuBLAS's kernels do not (batch 8 on an
 H100: 1.32 -> 1.15 ms a step merged). Merged and unmerged adapters run the same launches: an unmerged adapter adds
-rank-r rows to the GEMMs and a few multiply-adds inside the kernels after them. A PeftModel holding several LoRA adapters gets them all stacked (an adapter bank): each
-GEMM gives every adapter's shrink, and each row of a batch scales the s columns of the adapter it picks (or none) by
+rank-r rows to the GEMMs and a few multiply-adds inside the kernels after them. A PeftModel holding several LoRA
+adapters gets them all stacked (an adapter bank): each GEMM gives every adapter's shrink, and each row of a batch scales the s columns of the adapter it picks (or none) by
 that adapter's scale and the others' by 0 (`row_scales` of the kernels after the GEMMs), so rows of one batch run
 different adapters in the same captured step. With an adapter on o_proj (down_proj) the residual kernel spreads each row
 over programs and defers the norm: x leaves as h * w with partial sums of h^2, and the kernel after the next GEMM (5, or

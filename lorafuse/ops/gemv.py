@@ -100,7 +100,7 @@ def chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, strid
     rows = tl.arange(0, BLOCK_M) % M
     ks = tl.arange(0, BLOCK_K)
     m_ok = m_rows[:, None] < n_m
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_start + ks)[None, :]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_start + ks)[None, :]
     m_ptrs = m_ptr + m_rows[:, None].to(tl.int64) * stride_mr + (k_start + ks)[None, :].to(tl.int64) * stride_mk
     acc = tl.zeros([BLOCK_M, m_rows.shape[0]], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -136,7 +136,7 @@ def _few_rows(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     rows = tl.arange(0, BLOCK_M)
     y = acc.to(w_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
@@ -146,13 +146,16 @@ def _config(N, K):
     return (2, 1024) if N <= 4096 and K <= 4096 else (1, 512)
 
 
-def _few_rows_config(N, K, device):
-    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of _few_rows, the best of an H200 sweep at Llama-1B's GEMMs
+def _few_rows_config(N, K, element_size, device):
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of _few_rows, the best of an H200 sweep at Llama-1B's bf16 GEMMs
     # (probe_few_rows.py): 16 columns a program while that makes at most one program per SM (o, down: the longest
-    # K tiles), 32 for mid-sized weights (q/k/v), 64 for wide ones (gate/up, lm_head)
+    # K tiles), 32 for mid-sized weights (q/k/v), 64 for wide ones (gate/up, lm_head). fp32 tiles are half as long,
+    # so that their stages take the same shared memory (not timed).
     if triton.cdiv(N, 16) <= sm_count(device):
-        return 16, 512, 2, 4
-    return (32, 256, 4, 4) if N < 8192 else (64, 128, 4, 4)
+        block_n, block_k, warps = 16, 512, 2
+    else:
+        block_n, block_k, warps = (32, 256, 4) if N < 8192 else (64, 128, 4)
+    return block_n, block_k * 2 // element_size, warps, 4
 
 
 def _check(x, weight, bias, y, rows):
@@ -179,8 +182,10 @@ def _launch_one_row(x, weight, bias, y, lora_A, s):
 
 def _launch_few_rows(x, weight, bias, y, config):
     _check(x, weight, bias, y, x.shape[0])
+    if x.dtype != weight.dtype:  # its dots take both in x's dtype (one row sums any pair in fp32)
+        raise ValueError(f"gemv: x ({x.dtype}) and weight ({weight.dtype}) of more than one row must share a dtype")
     N, K = weight.shape
-    block_n, block_k, warps, stages = config or _few_rows_config(N, K, x.device)
+    block_n, block_k, warps, stages = config or _few_rows_config(N, K, x.element_size(), x.device)
     _few_rows[(triton.cdiv(N, block_n),)](
         x, weight, bias, y, x.shape[0], N, K, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=FEW_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,

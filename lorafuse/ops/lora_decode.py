@@ -60,8 +60,8 @@ def _rows_chunks(x_ptr, w_ptr, a_ptr, part_ptr, low_ptr, M, N, K, k_chunk, shrin
         k_start = pid * shrink_chunk
         cd = tl.float32 if LORA_FP32 else x_ptr.dtype.element_ty
         low = chunk_product(x_ptr, a_ptr, ranks, rank, k_start, tl.minimum(k_start + shrink_chunk, K), M,
-                             stride_xm, stride_ar, stride_ak, EVEN_K, cd, ON_PIECES, BLOCK_M, SHRINK_BLOCK_K,
-                             LORA_PRECISION)
+                            stride_xm, stride_ar, stride_ak, EVEN_K, cd, ON_PIECES, BLOCK_M, SHRINK_BLOCK_K,
+                            LORA_PRECISION)
         tl.store(low_ptr + (pid * M + rows[:, None]) * R + ranks[None, :], low, mask=rows[:, None] < M)
     else:
         blocks_n = tl.cdiv(N, BLOCK_N)
@@ -69,7 +69,7 @@ def _rows_chunks(x_ptr, w_ptr, a_ptr, part_ptr, low_ptr, M, N, K, k_chunk, shrin
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = pid_k * k_chunk
         acc = chunk_product(x_ptr, w_ptr, cols, N, k_start, tl.minimum(k_start + k_chunk, K), M, stride_xm,
-                             stride_wn, stride_wk, EVEN_K, x_ptr.dtype.element_ty, False, BLOCK_M, BLOCK_K, PRECISION)
+                            stride_wn, stride_wk, EVEN_K, x_ptr.dtype.element_ty, False, BLOCK_M, BLOCK_K, PRECISION)
         offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
         tl.store(part_ptr + offs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -126,6 +126,8 @@ def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=
     N, r = lora_B.shape
     if M > DECODE_MAX_ROWS:
         raise ValueError(f"lora_decode: x has {M} rows; at most {DECODE_MAX_ROWS} fit its tiles")
+    if M == 0:  # the kernels read x's rows modulo M
+        return torch.empty(0, N, device=x.device, dtype=x.dtype)
     if takes_gemv(x, weight, lora_A):
         y, s = gemv_and_shrink(x, weight, lora_A)
         return lora_expand(y, s, lora_B, scale, bias, activation_id)[0]

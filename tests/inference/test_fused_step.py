@@ -66,16 +66,19 @@ def test_fused_step_equals_transformers_step(case, merge):
     assert_same_generation(fused, stepped)
 
 
+@pytest.mark.parametrize("bucket", [1, 2, 16])
 @pytest.mark.parametrize("case", ["llama-biases-some-adapters", "qwen2"])
-def test_batch_one_equals_transformers_step(case):
-    # Bucket 1 runs its GEMMs and lm_head through ops.gemv (biases in the GEMM, or after a deferred norm)
+def test_other_buckets_equal_transformers_step(case, bucket):
+    # ops.gemv runs the GEMMs and lm_head of buckets up to 16 rows (biases in the GEMM, or after a deferred norm):
+    # one row on its own kernel, 2 the fewest rows of the tensor-core tile, 16 all of it (the prompts padded up)
     family, overrides, lora = CASES[case]
     model = get_peft_model(with_random_biases(tiny_model(family, **overrides).eval()), lora_config(family, **lora))
-    fused = Engine(model.eval(), max_length=16, buckets=(1,), check_every=2, fused_step=True)
+    fused = Engine(model.eval(), max_length=16, buckets=(bucket,), check_every=2, fused_step=True)
     assert fused.fused_step_reason is None
-    stepped = Engine(fused.model, max_length=16, buckets=(1,), check_every=2, fused_step=False)
-    tokens = fused.generate(PROMPTS[:1], SamplingParams(max_new_tokens=NEW))
-    assert tokens == stepped.generate(PROMPTS[:1], SamplingParams(max_new_tokens=NEW))
+    stepped = Engine(fused.model, max_length=16, buckets=(bucket,), check_every=2, fused_step=False)
+    prompts = PROMPTS[:bucket]
+    tokens = fused.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert tokens == stepped.generate(prompts, SamplingParams(max_new_tokens=NEW))
     torch.testing.assert_close(fused.last_logits(), stepped.last_logits(), rtol=1e-5, atol=1e-5)
 
 

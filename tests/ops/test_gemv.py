@@ -1,6 +1,7 @@
 """gemv: 1 to 16 rows times a weight matrix (decoding), against float64, with and without bias, odd widths, rows of a
 larger (stacked) buffer, and an fp32 output rounded as the weight's dtype."""
 import importlib
+import math
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def test_matches_reference(tiles, rows, n, k, has_bias, dtype, monkeypatch):
     # for the interpreter; more rows: 16 columns a program) put several programs and K steps on small weights
     if tiles == "small_tiles":
         monkeypatch.setattr(gemv_module, "_config", lambda n, k: (1, 256))
-        monkeypatch.setattr(gemv_module, "_few_rows_config", lambda n, k, device: (16, 64, 4, 2))
+        monkeypatch.setattr(gemv_module, "_few_rows_config", lambda n, k, size, device: (16, 64, 4, 2))
     x = torch.randn(rows, k).to(dtype)
     weight = (torch.randn(n, k) / k**0.5).to(dtype)
     bias = torch.randn(n).to(dtype) if has_bias else None
@@ -32,14 +33,34 @@ def test_matches_reference(tiles, rows, n, k, has_bias, dtype, monkeypatch):
     assert_close(got, exact, dtype, gemv_reference(x, weight, bias))
 
 
-@pytest.mark.parametrize("n", [2000, 3000, 8200], ids=["16_columns", "32_columns", "64_columns"])
-def test_few_rows_default_tiles_of_each_width(n):
-    # The three default tiles of 2-16 rows, by the weight's width (one program per SM at 16 columns a program)
-    x = torch.randn(8, 72).to(torch.bfloat16)
-    weight = (torch.randn(n, 72) / 72**0.5).to(torch.bfloat16)
+@pytest.mark.parametrize("rows", [2, 3, 15, 16])
+@pytest.mark.parametrize("n, k", [(45, 256), (3000, 520)], ids=str)
+def test_views_with_other_row_strides_into_a_poisoned_buffer(rows, n, k):
+    # weight rows 2K + 8 apart and not at column 0, x rows K + 24 apart, out rows N + 40 apart inside a NaN buffer
+    # with more than 16 rows below it: a row stride taken for the width, or a store to rows >= M, shows. (45, 256):
+    # 16-column tiles over whole K tiles; (3000, 520): 32-column tiles over three K tiles, the last one partial.
+    weight = (torch.randn(n + 3, 2 * k + 8) / k**0.5).to(torch.bfloat16)[2:n + 2, 5:k + 5]
+    x = torch.randn(rows + 2, k + 24).to(torch.bfloat16)[1:rows + 1, 3:k + 3]
     bias = torch.randn(n).to(torch.bfloat16)
-    assert_close(gemv(x, weight, bias), gemv_reference(x.double(), weight.double(), bias.double()), torch.bfloat16,
+    buffer = poison(torch.empty(rows + 20, n + 40))
+    out = buffer[1:rows + 1, 7:n + 7]
+    gemv(x, weight, bias, out=out)
+    assert torch.equal(out, out.to(torch.bfloat16).float())
+    assert_close(out.to(torch.bfloat16), gemv_reference(x.double(), weight.double(), bias.double()), torch.bfloat16,
                  gemv_reference(x, weight, bias))
+    outside = buffer.clone()
+    outside[1:rows + 1, 7:n + 7] = math.nan
+    assert outside.isnan().all(), "gemv wrote outside out"
+
+
+@pytest.mark.parametrize("rows", [2, 16])
+@pytest.mark.parametrize("n, k", [(2000, 1024), (3000, 768), (8200, 384), (8200, 300)], ids=str)
+def test_default_tiles_over_several_k_steps(rows, n, k):
+    # each default tile over several K tiles, K a multiple of the tile (as every real model's) and not
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+    assert_close(gemv(x, weight), gemv_reference(x.double(), weight.double()), torch.bfloat16,
+                 gemv_reference(x, weight))
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -72,6 +93,8 @@ def test_bad_shapes_say_what_they_need():
         gemv(torch.randn(3, 64), torch.randn(8, 64), out=torch.empty(1, 8))
     with pytest.raises(ValueError, match="a contiguous"):
         gemv(torch.randn(1, 64), torch.randn(8, 64), torch.randn(16)[::2])
+    with pytest.raises(ValueError, match="of more than one row must share a dtype"):
+        gemv(torch.randn(4, 64).to(torch.bfloat16), torch.randn(8, 64))
 
 
 @pytest.mark.parametrize("x_dtype, adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),

@@ -131,3 +131,10 @@ def test_one_row_runs_gemv_and_shrink(adapter_dtype, monkeypatch):
     monkeypatch.setattr(lora_decode_module, "_rows_chunks", None)  # would raise if called
     inputs = operands(1, 300, 150, 8, torch.bfloat16, adapter_dtype)
     check(inputs, "silu", torch.bfloat16)
+
+
+def test_no_rows_give_an_empty_output():
+    # the kernels read x's rows modulo M: no rows never reach them
+    x = torch.randn(0, 40)
+    y = lora_decode(x, torch.randn(24, 40), None, torch.randn(4, 40), torch.randn(24, 4), 2.0)
+    assert y.shape == (0, 24) and y.dtype == x.dtype
