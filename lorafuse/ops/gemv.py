@@ -17,12 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .._logging import log_once
 from ._bf16_pieces import split_bf16
 from ._dependent_launch import launch_options, wait_for_inputs
 from ._tiles import dot_precision, sm_count
 
 
 FEW_ROWS = 16  # rows of x in one tensor-core tile of _few_rows; more rows are a GEMM for cuBLAS
+_too_large = set()  # default tiles of _few_rows that a device could not launch (see _launch_few_rows)
 
 
 def gemv_reference(x, weight, bias=None, out=None):
@@ -186,10 +188,23 @@ def _launch_few_rows(x, weight, bias, y, config):
         raise ValueError(f"gemv: x ({x.dtype}) and weight ({weight.dtype}) of more than one row must share a dtype")
     N, K = weight.shape
     block_n, block_k, warps, stages = config or _few_rows_config(N, K, x.element_size(), x.device)
-    _few_rows[(triton.cdiv(N, block_n),)](
-        x, weight, bias, y, x.shape[0], N, K, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=FEW_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **launch_options(x.device))
+    key = (block_n, block_k, warps, stages, x.dtype, x.device)
+    if key in _too_large:
+        gemv_reference(x, weight, bias, y)
+        return
+    try:
+        _few_rows[(triton.cdiv(N, block_n),)](
+            x, weight, bias, y, x.shape[0], N, K, x.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=FEW_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+            PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **launch_options(x.device))
+    except triton.runtime.errors.OutOfResources as error:
+        if config is not None:  # a benchmark's own tiles: it wants to know
+            raise
+        # The tiles were sized for Hopper's shared memory (probe_few_rows.py): other GPUs may have less
+        _too_large.add(key)
+        log_once(f"lorafuse.gemv: {x.shape[0]} rows of {x.dtype} in tiles of {block_n} x {block_k} need more "
+                 f"than this GPU has ({error}); PyTorch's GEMM runs them")
+        gemv_reference(x, weight, bias, y)
 
 
 def gemv(x, weight, bias=None, out=None, config=None):

@@ -1,11 +1,14 @@
 """gemv: 1 to 16 rows times a weight matrix (decoding), against float64, with and without bias, odd widths, rows of a
 larger (stacked) buffer, and an fp32 output rounded as the weight's dtype."""
 import importlib
+import logging
 import math
 
 import pytest
 import torch
+import triton
 
+from lorafuse import _logging
 from lorafuse.ops.gemv import gemv, gemv_and_shrink, gemv_and_shrink_reference, gemv_reference
 from tests.ops._helpers import DTYPES, assert_close, dtype_id, poison
 
@@ -113,3 +116,32 @@ def test_gemv_and_shrink(r, x_dtype, adapter_dtype):
     plain_y, plain_s = gemv_and_shrink_reference(x, weight, lora_A)
     assert_close(y, exact_y, x_dtype, plain_y, "y")
     assert_close(s, exact_s, torch.float32, plain_s, "s")
+
+
+def test_tiles_a_gpu_cannot_launch_fall_back_to_pytorch_said_once(monkeypatch, caplog):
+    # The default tiles fit Hopper's shared memory; a GPU with less raises OutOfResources at the first launch: the
+    # rows then run PyTorch's GEMM (rounded as the weight's dtype, as the kernel), said once, not tried again
+    launches = []
+
+    class TooLarge:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(grid)
+                raise triton.runtime.errors.OutOfResources(245760, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(gemv_module, "_few_rows", TooLarge())
+    monkeypatch.setattr(gemv_module, "_too_large", set())
+    monkeypatch.setattr(_logging, "_said", set())
+    caplog.set_level(logging.WARNING, logger="lorafuse")
+    x = torch.randn(4, 96).to(torch.bfloat16)
+    weight = (torch.randn(40, 96) / 96**0.5).to(torch.bfloat16)
+    for _ in range(2):
+        out = poison(torch.empty(4, 40))
+        gemv(x, weight, out=out)
+        assert torch.equal(out, gemv_reference(x, weight).float())
+    assert len(launches) == 1
+    said = [r.getMessage() for r in caplog.records if "lorafuse.gemv" in r.getMessage()]
+    assert len(said) == 1 and "PyTorch's GEMM runs them" in said[0] and "shared memory" in said[0]
+    with pytest.raises(triton.runtime.errors.OutOfResources):  # a benchmark's own tiles are not replaced
+        gemv(x, weight, config=(16, 64, 4, 2))
