@@ -8,9 +8,12 @@ at Llama-1B's decode GEMMs, and the fused decode step on it against the step on 
           graphs of 16 calls over rotated weight copies (L2 cannot hold them), alternating call by call
           (benchmarks.common.time_alternating); us per call.
 --steps   four engines on four 1B models (bench_decode.py's): merged and unmerged, their batches of 2-16 rows on
-          the kernel or on cuBLAS (the step as it was: ops.gemv for one row only). Per engine and bucket (1, 8): the
-          forward graph replayed 32 times between events, 20 rounds rotating the engines, median per step; the
-          stream step of bench_decode (fastest of 5 calls of 256 tokens); the last logits of both routes compared.
+          the kernel or on cuBLAS (the step as it was: ops.gemv for one row only). Per engine and bucket (1-16): the
+          forward graph replayed 32 times a call, 20 rounds of calls alternating between the engines
+          (time_alternating), median per step; for buckets 1 and 8 also the stream step of bench_decode (fastest
+          of 5 calls of 256 tokens); the first decode step's logits of both routes compared. (The rows of
+          2026-11-26 came from the same alternation in a loop of the probe's own, without time_alternating's L2
+          flush before each call.)
 Rows: <out>/few_rows.csv (DESIGN.md's schema; bench `few_rows`).
 """
 import argparse
@@ -121,23 +124,12 @@ def steps(tags, rows_out, table, new=256):
             a, b = logits[f"{kind}_cublas"], logits[f"{kind}_few_rows"]
             print(f"B{batch} {kind}: the first decode step's logits, few rows against cuBLAS: rel. diff "
                   f"{rel_err(b, a):.2e}, argmax equal in {(a.argmax(-1) == b.argmax(-1)).sum().item()} of {batch} rows")
-        graphs = {name: engine._rows[batch].forward_graph for name, engine in engines.items()}
-        samples = {name: [] for name in graphs}
-        for i in range(23):
-            order = list(graphs)[i % len(graphs):] + list(graphs)[:i % len(graphs)]
-            for name in order:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(32):
-                    graphs[name].replay()
-                end.record()
-                if i >= 3:
-                    samples[name].append((start, end))
-        torch.cuda.synchronize()
+        # each call: the forward graph replayed 32 times (ms per call / 32 = ms per step)
+        calls = {name: lambda graph=engine._rows[batch].forward_graph: [graph.replay() for _ in range(32)]
+                 for name, engine in engines.items()}
         medians = {}
-        for name, pairs in samples.items():
-            times = sorted(s.elapsed_time(e) / 32 for s, e in pairs)
-            med, p20, p80 = times[len(times) // 2], times[len(times) // 5], times[4 * len(times) // 5]
+        for name, times in time_alternating(calls, rounds=20, warmup=3).items():
+            med, p20, p80 = (t / 32 for t in times)
             medians[name] = med
             shape = f"llama1B_B{batch}_P{PROMPT}_G{new}"
             baseline = f"{name.split('_')[0]}_cublas"

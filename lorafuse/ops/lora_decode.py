@@ -18,11 +18,11 @@ import triton.language as tl
 from ._bf16_pieces import uses_bf16_pieces
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .activation import activate, activation_reference
-from .gemv import chunk_product, gemv_and_shrink
+from .gemv import FEW_ROWS, chunk_product, gemv_and_shrink
 from .lora_expand import lora_expand
 from .lora_matmul import add_rank_r
 
-DECODE_MAX_ROWS = 16  # rows of one tl.dot tile
+DECODE_MAX_ROWS = FEW_ROWS  # rows of one tl.dot tile (chunk_product's, shared with gemv)
 EXPAND_BLOCK_N = 64  # columns a program of _expand_chunks sums and expands
 MAX_SPLITS = 8  # _expand_chunks holds [splits, 16, 64] fp32 partials in registers
 SHRINK_TILE_BYTES = 8192  # of A per K tile of the shrink programs (x4 stages: 32 KB of shared memory)
