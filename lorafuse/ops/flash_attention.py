@@ -10,7 +10,8 @@ sequences, sliding windows. A query with no key to attend outputs zeros.
 Forward: online softmax over key tiles, the log-sum-exp kept per row. Backward: P recomputed
 from it; one kernel accumulates dQ per query tile (and stores each row's delta = rowsum(o * dO)
 on the way), then another accumulates dK and dV per key tile over the query tiles of every
-query head sharing it (no atomics: deterministic).
+query head sharing it (no atomics: deterministic). Double backward (create_graph=True) differentiates
+attention_reference instead (ops/_autograd.py).
 Everything the kernels do not cover runs through torch's scaled_dot_product_attention, with
 the reason logged once.
 """
@@ -20,11 +21,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._logging import log_once
-from ._autograd import functorch_reason
+from ._autograd import differentiable_backward, functorch_reason
 from ._tiles import dot_precision, kernels_run_on
 from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
                                tile_ranges, window_bounds)
@@ -460,17 +460,19 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, windows):
-        v = _unseen_keys_zeroed(v, windows)
-        out, lse = _flash_forward(q, k, v, causal, scale, windows, store_lse=True)
+        out, lse = _flash_forward(q, k, _unseen_keys_zeroed(v, windows), causal, scale, windows, store_lse=True)
+        # v as given, not the zeroed copy: double backward differentiates with respect to the inputs themselves
         ctx.save_for_backward(q, k, v, out, lse, *(windows or ()))
         ctx.causal, ctx.scale, ctx.windows_type = causal, scale, type(windows)
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, *windows = ctx.saved_tensors
         windows = ctx.windows_type(*windows) if windows else None
+        if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
+            return differentiable_backward(attention_reference, (q, k, v, ctx.causal, ctx.scale, windows), dout)
+        v = _unseen_keys_zeroed(v, windows)
         padding = _padding_rows(windows)
         if padding is not None:
             q, dout, k = _rows_zeroed(q, padding[0]), _rows_zeroed(dout, padding[0]), _rows_zeroed(k, padding[1])

@@ -1,5 +1,6 @@
 """The ops inside the rest of autograd (ops/_autograd.py): double backward (create_graph=True) gives the
-reference's second derivatives, and torch.func transforms (per-sample gradients with vmap over grad) run the
+reference's second derivatives (the LoRA layer in float32 and in bf16 with PEFT's float32 adapters, attention with
+grouped-query heads and NaN padding), and torch.func transforms (per-sample gradients with vmap over grad) run the
 reference, said once in the log, where the kernels' Functions would raise."""
 import logging
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
+from lorafuse.ops.attention_windows import windows_from_padding_mask
 from lorafuse.ops.flash_attention import attention_reference, flash_attention
 from lorafuse.ops.lora_linear import lora_linear, lora_linear_reference
 from lorafuse.ops.rms_norm import rms_norm, rms_norm_reference
@@ -48,6 +50,50 @@ def test_lora_linear_double_backward_equals_reference(dropout_p, activation):
     got = gradient_penalty_grads(fused, inputs, (x, lora_A), (x, bias, lora_A, lora_B))
     want = gradient_penalty_grads(reference, inputs, (x, lora_A), (x, bias, lora_A, lora_B))
     for g, w in zip(got, want):
+        assert relative_error(g, w) < TOL
+
+
+def test_lora_linear_double_backward_in_bf16_with_float32_adapters():
+    # PEFT's set-up on a bf16 model: x, W and bias in bf16, lora_A and lora_B in float32; gelu, so that every input
+    # has a second derivative. The first loss is (y c) for a fixed c, so its gradients do not depend on y's rounding:
+    # both sides then differentiate the same reference backward, in the dtypes the layer computed in, and must agree
+    # to the bit.
+    x, weight, bias, lora_A, lora_B = lora_inputs(rows=9, k=40, n=24, r=8)
+    x, weight, bias = (t.detach().to(torch.bfloat16).requires_grad_(t.requires_grad) for t in (x, weight, bias))
+    inputs = (x, weight, bias, lora_A, lora_B)
+    c = torch.randn(9, 24, dtype=torch.bfloat16)
+
+    def penalty(linear):
+        y = linear(*inputs, 2.0, 0.0, "gelu")
+        firsts = torch.autograd.grad((y * c).sum(), (x, lora_A), create_graph=True)
+        return torch.autograd.grad(sum(g.float().pow(2).sum() for g in firsts), (x, bias, lora_A, lora_B))
+
+    got, want = penalty(lora_linear), penalty(lora_linear_reference)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.isfinite(g).all() and w.abs().max() > 0
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "left_padding_nan"])
+def test_attention_double_backward_equals_reference(padded):
+    # Causal, four query heads over two key/value heads. Padded: the first sequence starts 3 tokens late, and its
+    # padding in q, k and v is NaN, which must reach no gradient.
+    b, hq, hkv, n, d = 2, 4, 2, 9, 16
+    q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    windows = None
+    if padded:
+        mask = torch.ones(b, n, dtype=torch.long)
+        mask[0, :3] = 0
+        for t in (q, k, v):
+            t.transpose(1, 2)[~mask.bool()] = float("nan")
+        windows = windows_from_padding_mask(mask, n)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+
+    def penalty(attention):
+        return gradient_penalty_grads(lambda *qkv: attention(*qkv, causal=True, windows=windows), inputs,
+                                      inputs[:2], inputs)
+
+    for g, w in zip(penalty(flash_attention), penalty(attention_reference)):
         assert relative_error(g, w) < TOL
 
 
