@@ -1,5 +1,6 @@
 """recipes/finetune.py end to end on a CPU: what it trains, writes, resumes and refuses."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -244,3 +245,24 @@ def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path):
         assert [row[name] for row in metrics(two) if name in row] == pytest.approx(expected, rel=1e-5), name
     assert sorted(p.name for p in (two / "checkpoints" / "step-000004").glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]
+
+
+def test_two_processes_resume_a_run_whose_last_files_were_lost(tmp_path):
+    """A 2-process run that ended at its final checkpoint but lost its last files (as a crash while merging leaves
+    it) is finished by train.resume=true on 2 processes: the main process writes the adapter, the merged model and
+    the summary; neither process trains, evaluates or waits on the other for ever."""
+    settings = [*QUICK, "train.max_steps=2", "train.grad_accum=1", "train.save_merged=true"]
+    two = ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    run_dir = tmp_path / "run"
+    run_recipe(*settings, f"run_dir={run_dir}", launcher=two)
+    summary, logged = json.loads((run_dir / "summary.json").read_text()), metrics(run_dir)
+    for lost in ("adapter", "merged"):
+        shutil.rmtree(run_dir / lost)
+    (run_dir / "summary.json").unlink()
+
+    run = run_recipe(*settings, f"run_dir={run_dir}", "train.resume=true", launcher=two, timeout=300)
+    assert (run.stdout + run.stderr).count("before the run's last files were written: writing them") == 1
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    assert metrics(run_dir) == logged  # nothing trained or evaluated again
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert json.loads((run_dir / "merged" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
