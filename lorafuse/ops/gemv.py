@@ -7,7 +7,8 @@ Decoding reads every weight once per step, and what matters is keeping every SM 
              sweep, H200: q/k/v 5.5 against 7.1 us, o 4.4 against 6.6, gate/up 18.5 against 19.9, down 10.9 against
              13.8, lm_head 126 against 132);
   2-16 rows  `_few_rows`: one 16-row tensor-core tile of x against a block of W's rows over all of K (no split-K, so
-             one launch and no reduction).
+             one launch and no reduction). 16-bit weights only: float32 rows take PyTorch's GEMM (cuBLAS), which the
+             kernel's float32 dots trailed by 1.5-5.8x at Llama-1B's shapes (H200, NOTES_decode.md).
 Both let the next kernel of a captured decode step launch as soon as they start (ops/_dependent_launch.py), which
 cuBLAS's kernels do not: the decode step's adapter kernels then load their lora_B while the GEMM still runs. The
 sums run in fp32; y is rounded to the weight's dtype first even when `out` is fp32 (so logits equal those of the
@@ -20,7 +21,7 @@ import triton.language as tl
 from .._logging import log_once
 from ._bf16_pieces import split_bf16
 from ._dependent_launch import launch_options, wait_for_inputs
-from ._tiles import dot_precision, sm_count
+from ._tiles import sm_count
 
 
 FEW_ROWS = 16  # rows of x in one tensor-core tile of _few_rows; more rows are a GEMM for cuBLAS
@@ -128,12 +129,12 @@ def chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, strid
 @triton.jit
 def _few_rows(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              PRECISION: tl.constexpr, PDL: tl.constexpr):
+              PDL: tl.constexpr):
     # x: [M <= BLOCK_M, K], W: [N, K], bias: [N], y: [M, N] (unit column strides): BLOCK_N columns of y a program
     wait_for_inputs(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = chunk_product(x_ptr, w_ptr, cols, N, 0, K, M, stride_xm, stride_wn, 1, EVEN_K, x_ptr.dtype.element_ty,
-                        False, BLOCK_M, BLOCK_K, PRECISION)
+                        False, BLOCK_M, BLOCK_K, "tf32")  # 16-bit x and W: the precision is unused
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     rows = tl.arange(0, BLOCK_M)
@@ -148,16 +149,13 @@ def _config(N, K):
     return (2, 1024) if N <= 4096 and K <= 4096 else (1, 512)
 
 
-def _few_rows_config(N, K, element_size, device):
+def _few_rows_config(N, K, device):
     # (BLOCK_N, BLOCK_K, num_warps, num_stages) of _few_rows, the best of an H200 sweep at Llama-1B's bf16 GEMMs
     # (probe_few_rows.py): 16 columns a program while that makes at most one program per SM (o, down: the longest
-    # K tiles), 32 for mid-sized weights (q/k/v), 64 for wide ones (gate/up, lm_head). fp32 tiles are half as long,
-    # so that their stages take the same shared memory (not timed).
+    # K tiles), 32 for mid-sized weights (q/k/v), 64 for wide ones (gate/up, lm_head).
     if triton.cdiv(N, 16) <= sm_count(device):
-        block_n, block_k, warps = 16, 512, 2
-    else:
-        block_n, block_k, warps = (32, 256, 4) if N < 8192 else (64, 128, 4)
-    return block_n, block_k * 2 // element_size, warps, 4
+        return 16, 512, 2, 4
+    return (32, 256, 4, 4) if N < 8192 else (64, 128, 4, 4)
 
 
 def _check(x, weight, bias, y, rows):
@@ -187,7 +185,7 @@ def _launch_few_rows(x, weight, bias, y, config):
     if x.dtype != weight.dtype:  # its dots take both in x's dtype (one row sums any pair in fp32)
         raise ValueError(f"gemv: x ({x.dtype}) and weight ({weight.dtype}) of more than one row must share a dtype")
     N, K = weight.shape
-    block_n, block_k, warps, stages = config or _few_rows_config(N, K, x.element_size(), x.device)
+    block_n, block_k, warps, stages = config or _few_rows_config(N, K, x.device)
     key = (block_n, block_k, warps, stages, x.dtype, x.device)
     if key in _too_large:
         gemv_reference(x, weight, bias, y)
@@ -196,7 +194,7 @@ def _launch_few_rows(x, weight, bias, y, config):
         _few_rows[(triton.cdiv(N, block_n),)](
             x, weight, bias, y, x.shape[0], N, K, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=FEW_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-            PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **launch_options(x.device))
+            num_warps=warps, num_stages=stages, **launch_options(x.device))
     except triton.runtime.errors.OutOfResources as error:
         if config is not None:  # a benchmark's own tiles: it wants to know
             raise
@@ -216,6 +214,9 @@ def gemv(x, weight, bias=None, out=None, config=None):
     y = out if out is not None else torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=weight.dtype)
     if x.shape[0] == 1:
         _launch_one_row(x, weight, bias, y, None, None)
+    elif x.dtype == weight.dtype == torch.float32:  # cuBLAS is faster there (module docstring)
+        _check(x, weight, bias, y, x.shape[0])
+        return gemv_reference(x, weight, bias, out)  # without `out`, cuBLAS's own output: no copy
     else:
         _launch_few_rows(x, weight, bias, y, config)
     return y

@@ -9,7 +9,9 @@ no launch that waits on a full pass. Inference only (no dropout, no saved tensor
              chunks up with scale * s B^T, bias and the activation. Since the LoRA term is linear in x, no chunk needs
              the whole shrink before its own sum. Two launches: at 16 rows and r = 16, 1.05-1.39x cuBLAS's GEMM alone
              on an H200 (bench_lora_layer.py --decode-only; --sweep-decode for the configs), where cuBLAS's GEMM of x
-             with [W; A] plus lora_expand took 1.09-1.40x. Larger ranks are tested, not measured.
+             with [W; A] plus lora_expand took 1.09-1.40x. Larger ranks are tested, not measured. 16-bit x only:
+             float32 models' rows take PyTorch's three GEMMs (the reference), which the kernels' float32 dots trailed
+             by about 2x at Llama-1B's shapes (H200, NOTES_decode.md).
 """
 import torch
 import triton
@@ -17,7 +19,7 @@ import triton.language as tl
 
 from ._bf16_pieces import uses_bf16_pieces
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
-from .activation import activate, activation_reference
+from .activation import ACTIVATIONS, activate, activation_reference
 from .gemv import FEW_ROWS, chunk_product, gemv_and_shrink
 from .lora_expand import lora_expand
 from .lora_matmul import add_rank_r
@@ -116,6 +118,13 @@ def _shrink_chunks(K, block_k, R):
     return chunk, triton.cdiv(K, chunk)
 
 
+def _float32_rows(x, weight, bias, lora_A, lora_B, scale, activation_id):
+    # x: [M, K] fp32. Three cuBLAS GEMMs, the last adding the LoRA term into the base output (addmm, beta = 1)
+    low = x @ lora_A.t().float()
+    y = torch.addmm(torch.nn.functional.linear(x, weight, bias), low, lora_B.t().float(), alpha=scale)
+    return activation_reference(y, ACTIVATIONS[activation_id])
+
+
 def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=None):
     """act(x W^T + bias + scale * (x A^T) B^T) for at most DECODE_MAX_ROWS rows, without autograd.
     config: (BLOCK_N, BLOCK_K, splits, num_warps, num_stages) of `_rows_chunks` overrides its defaults (benchmarks; one
@@ -131,6 +140,8 @@ def lora_decode(x, weight, bias, lora_A, lora_B, scale, activation_id=0, config=
     if takes_gemv(x, weight, lora_A):
         y, s = gemv_and_shrink(x, weight, lora_A)
         return lora_expand(y, s, lora_B, scale, bias, activation_id)[0]
+    if x.dtype == torch.float32:  # cuBLAS is faster there (module docstring)
+        return _float32_rows(x, weight, bias, lora_A, lora_B, scale, activation_id)
     block_n, block_k, splits, warps, stages = config or _rows_config(N, K, x.device)
     k_chunk, splits = split_in_blocks(K, block_k, min(splits, MAX_SPLITS))
     R = padded_rank(r)

@@ -26,7 +26,7 @@ def test_matches_reference(tiles, rows, n, k, has_bias, dtype, monkeypatch):
     # for the interpreter; more rows: 16 columns a program) put several programs and K steps on small weights
     if tiles == "small_tiles":
         monkeypatch.setattr(gemv_module, "_config", lambda n, k: (1, 256))
-        monkeypatch.setattr(gemv_module, "_few_rows_config", lambda n, k, size, device: (16, 64, 4, 2))
+        monkeypatch.setattr(gemv_module, "_few_rows_config", lambda n, k, device: (16, 64, 4, 2))
     x = torch.randn(rows, k).to(dtype)
     weight = (torch.randn(n, k) / k**0.5).to(dtype)
     bias = torch.randn(n).to(dtype) if has_bias else None
@@ -79,6 +79,19 @@ def test_rows_of_a_stacked_buffer_into_an_fp32_output(rows):
     assert torch.equal(out, out.to(torch.bfloat16).float())
     assert_close(out.to(torch.bfloat16), gemv_reference(x.double(), weight.double()), torch.bfloat16,
                  gemv_reference(x, weight))
+
+
+@pytest.mark.parametrize("rows", [2, 16])
+def test_float32_rows_take_pytorchs_gemm(rows, monkeypatch):
+    # The few-rows kernel's float32 dots trailed cuBLAS by 1.5-5.8x (H200): float32 weights of 2-16 rows never launch
+    # it, and give PyTorch's own result; one row keeps the GEMV kernel, which beat cuBLAS there too
+    monkeypatch.setattr(gemv_module, "_few_rows", None)  # a launch would raise
+    x, weight, bias = torch.randn(rows, 100), torch.randn(30, 100) / 10, torch.randn(30)
+    out = poison(torch.empty(rows, 30))
+    gemv(x, weight, bias, out=out)
+    assert torch.equal(out, gemv_reference(x, weight, bias))
+    with pytest.raises(ValueError, match=r"out \(1, 30\) must be \[2, 30\]"):
+        gemv(x[:2], weight, out=torch.empty(1, 30))
 
 
 def test_bad_shapes_say_what_they_need():

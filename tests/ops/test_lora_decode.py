@@ -112,7 +112,8 @@ def test_lora_linear_sends_decode_calls_here(rows, grad, dropout_p, routed, monk
                          ids=["bf16_bf16", "bf16_fp32", "fp16_fp32", "fp32_fp32"])
 @pytest.mark.parametrize("rows", [2, 1])
 def test_every_adapter_dtype_decodes_here(rows, x_dtype, adapter_dtype, monkeypatch):
-    # PEFT's fp32 adapters included: one row sums the shrink in fp32 in ops.gemv, more rows in _rows_chunks
+    # PEFT's fp32 adapters included: one row sums the shrink in fp32 in ops.gemv, more rows in _rows_chunks (a
+    # float32 model's rows in PyTorch's GEMMs)
     monkeypatch.setattr(lora_linear_module, "_launch_bound", lambda x: False)  # on a GPU: as if in a graph capture
     calls = []
     monkeypatch.setattr(lora_linear_module, "lora_decode", lambda *args: calls.append(1) or lora_decode(*args))
@@ -131,6 +132,15 @@ def test_one_row_runs_gemv_and_shrink(adapter_dtype, monkeypatch):
     monkeypatch.setattr(lora_decode_module, "_rows_chunks", None)  # would raise if called
     inputs = operands(1, 300, 150, 8, torch.bfloat16, adapter_dtype)
     check(inputs, "silu", torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [2, 16])
+def test_float32_rows_take_pytorchs_gemms(rows, monkeypatch):
+    # A float32 model's rows: the kernels' float32 dots trailed PyTorch's three GEMMs by about 2x (H200), so more
+    # than one row never launches them; values (activation and bias included) against float64
+    monkeypatch.setattr(lora_decode_module, "_rows_chunks", None)  # would raise if called
+    monkeypatch.setattr(lora_decode_module, "_expand_chunks", None)
+    check(operands(rows, 100, 80, 8, torch.float32, torch.float32), "gelu", torch.float32)
 
 
 def test_no_rows_give_an_empty_output():
