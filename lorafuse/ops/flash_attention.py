@@ -15,12 +15,14 @@ attention_reference instead (ops/_autograd.py).
 Everything the kernels do not cover runs through torch's scaled_dot_product_attention, with
 the reason logged once.
 """
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._logging import log_once
@@ -49,14 +51,17 @@ def attention_reference(q, k, v, causal=False, scale=None, windows: AttentionWin
     return probs @ v
 
 
-def _sdpa_fallback(q, k, v, causal, scale, windows):
-    # q: [B, Hq, Nq, D]; the dense mask exists only on this path
+def _sdpa_fallback(q, k, v, causal, scale, windows, math_backend=False):
+    # q: [B, Hq, Nq, D]; the dense mask exists only on this path. math_backend: SDPA's plain-op backend only (inside
+    # torch.func's vmap, whose batching rule handed SDPA's fused CUDA kernels the mask without its vmapped batch
+    # dimension: "attn_bias: wrong shape (batch dimension)" on an H200)
     allowed = allowed_keys(windows, q.shape[2], k.shape[2], causal, q.device)[:, None]
     has_key, seen = allowed.any(-1, keepdim=True), allowed.any(-2)[..., None]
     q, k, v = torch.where(has_key, q, 0), torch.where(seen, k, 0), torch.where(seen, v, 0)
     mask = allowed | ~has_key  # SDPA returns NaN on rows with no key: give them all, zero after
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    with sdpa_kernel(SDPBackend.MATH) if math_backend else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
     return torch.where(has_key, out, 0)
 
 
@@ -94,10 +99,11 @@ def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
     """Attention of q [B, Hq, Nq, D] over k, v [B, Hkv, Nk, D]; returns [B, Hq, Nq, D]."""
     _check_inputs(q, k, v, windows)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    reason = functorch_reason(q, k, v) or _unsupported_reason(q, k, v, windows)
+    in_transform = functorch_reason(q, k, v)
+    reason = in_transform or _unsupported_reason(q, k, v, windows)
     if reason is not None:
         log_once(f"lorafuse flash_attention: using torch SDPA because {reason}")
-        return _sdpa_fallback(q, k, v, causal, scale, windows)
+        return _sdpa_fallback(q, k, v, causal, scale, windows, math_backend=in_transform is not None)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
