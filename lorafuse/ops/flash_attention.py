@@ -477,6 +477,8 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, out, lse, *windows = ctx.saved_tensors
         windows = ctx.windows_type(*windows) if windows else None
         if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
+            log_once("lorafuse flash_attention: double backward (create_graph=True) differentiates the plain "
+                     "attention, whose memory grows with the square of the sequence length")
             return differentiable_backward(attention_reference, (q, k, v, ctx.causal, ctx.scale, windows), dout)
         v = _unseen_keys_zeroed(v, windows)
         padding = _padding_rows(windows)
