@@ -10,8 +10,8 @@ no launch that waits on a full pass. Inference only (no dropout, no saved tensor
              the whole shrink before its own sum. Two launches: at 16 rows and r = 16, 1.05-1.39x cuBLAS's GEMM alone
              on an H200 (bench_lora_layer.py --decode-only; --sweep-decode for the configs), where cuBLAS's GEMM of x
              with [W; A] plus lora_expand took 1.09-1.40x. Larger ranks are tested, not measured. 16-bit x only:
-             float32 models' rows take PyTorch's three GEMMs (the reference), which the kernels' float32 dots trailed
-             by about 2x at Llama-1B's shapes (H200, NOTES_decode.md).
+             float32 models' rows take PyTorch's GEMMs (`_float32_rows`), which the kernels' float32 dots trailed by
+             about 2x at Llama-1B's shapes (H200, NOTES_decode.md).
 """
 import torch
 import triton
