@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import capture, environment, time_alternating, write_rows  # noqa: E402
 
+from lorafuse.ops._bf16_pieces import bf16_pieces_reference  # noqa: E402
 from lorafuse.ops.lora_matmul import _tile_coords, lora_matmul  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]  # (in, out) features of the base linear
@@ -91,10 +92,7 @@ def rank_r_along_k(low, right, scale):
     """(L_cat [M, BK], R_cat [BK, N]) bf16: L_cat @ R_cat = the three largest bf16-piece products of
     (scale * low) @ right, as lora_matmul's epilogue adds them."""
     # low: [M, r] fp32, right: [r, N] fp32
-    def pieces(t):
-        hi = t.to(torch.bfloat16)
-        return hi, (t - hi.float()).to(torch.bfloat16)
-    (l0, l1), (r0, r1) = pieces(low * scale), pieces(right)
+    (l0, l1, _), (r0, r1, _) = bf16_pieces_reference(low * scale), bf16_pieces_reference(right)
     r = low.shape[1]
     l_cat = torch.zeros(low.shape[0], BK, device=low.device, dtype=torch.bfloat16)
     r_cat = torch.zeros(BK, right.shape[1], device=low.device, dtype=torch.bfloat16)
@@ -138,13 +136,13 @@ def probe_case(k_in, n_out_features, forward, rounds):
     calls = {"cublas": lambda: torch.mm(a, b, out=c),
              "lora_matmul": lambda: lora_matmul(a, b, low, right, SCALE, tma=True),
              "plain_flat": launcher(a, w, c, l_cat, r_cat, forward, None)}
-    errors = {"lora_matmul": calls["lora_matmul"]()[0]}
+    outputs = {"lora_matmul": calls["lora_matmul"]()[0]}
     for name, variant in VARIANTS.items():
         calls[name] = launcher(a, w, c, l_cat, r_cat, forward, variant)
         c.fill_(float("nan"))
         calls[name]()
-        errors[name] = c.clone()
-    errors = {key: ((out.double() - exact).norm() / exact.norm()).item() for key, out in errors.items()}
+        outputs[name] = c.clone()
+    errors = {key: ((out.double() - exact).norm() / exact.norm()).item() for key, out in outputs.items()}
     times = time_alternating({key: capture(fn)[0].replay for key, fn in calls.items()}, rounds=rounds, warmup=5)
     return times, errors
 

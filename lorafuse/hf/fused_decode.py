@@ -17,9 +17,10 @@ H100: 1.32 -> 1.15 ms a step merged). Merged and unmerged adapters run the same 
 rank-r rows to the GEMMs and a few multiply-adds inside the kernels after them. A PeftModel holding several LoRA
 adapters gets them all stacked (an adapter bank): each GEMM gives every adapter's shrink, and each row of a batch
 scales the s columns of the adapter it picks (or none) by that adapter's scale and the others' by 0 (`row_scales` of
-the kernels after the GEMMs), so rows of one batch run different adapters in the same captured step. With an adapter on o_proj (down_proj) the residual kernel spreads each row
-over programs and defers the norm: x leaves as h * w with partial sums of h^2, and the kernel after the next GEMM (5, or
-2 of the next layer) scales its rows by rstd before adding the bias (ops/_lora_columns.py). Before the layers, one
+the kernels after the GEMMs), so rows of one batch run different adapters in the same captured step. With an adapter
+on o_proj (down_proj) the residual kernel spreads each row over programs and defers the norm: x leaves as h * w with
+partial sums of h^2, and the kernel after the next GEMM (5, or 2 of the next layer) scales its rows by rstd before
+adding the bias (ops/_lora_columns.py). Before the layers, one
 launch builds the attention windows from the keep-mask (ops.decode_windows) and one gathers each row's cos and sin from
 a table of the model's rotary embedding. Captured, the kernels take programmatic dependent launch
 (ops/_dependent_launch.py). Prefill stays on transformers' forward; both write the same cache.
