@@ -10,7 +10,9 @@ R_cat = [r0; r0; r1; 0] ([64, N]), the epilogue's three piece products (l0 r0 + 
   branch_flat   one flattened loop; each step picks (A, B) or (L_cat, R_cat) by a branch
   after         the K-loop, then the rank-r step from its own descriptors; 3 or 4 stages, C stored whole or in halves
   after_flat    the same with the tile loop flattened (2 stages: 3 do not fit in shared memory)
-against torch.mm (cuBLAS, no rank-r term: the floor), lora_matmul as committed and the flattened plain GEMM. Float32
+against torch.mm (cuBLAS, no rank-r term: the floor), lora_matmul's Triton TMA kernel (`lora_matmul`), its Gluon
+kernel (`gluon`: the rank-r term as one more K-step of a hand-written pipeline, _lora_matmul_gluon.py; the call
+includes the launch that packs L and R) and the flattened plain GEMM. Float32
 adapters (PEFT's default), 8192 rows, the layer bench's four shapes, forward (x W^T) and dx (g W). Each output is
 checked against float64 first; then CUDA graphs alternate call by call (benchmarks.common.time_alternating).
 Rows: <out>/rank_r_gemm.csv (DESIGN.md's schema; bench `rank_r_gemm`, ratio to cuBLAS).
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import capture, environment, time_alternating, write_rows  # noqa: E402
 
 from lorafuse.ops._bf16_pieces import bf16_pieces_reference  # noqa: E402
-from lorafuse.ops.lora_matmul import _tile_coords, lora_matmul  # noqa: E402
+from lorafuse.ops.lora_matmul import _config, _tile_coords, lora_matmul  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]  # (in, out) features of the base linear
 ROWS, RANK, SCALE = 8192, 16, 2.0
@@ -133,10 +135,12 @@ def probe_case(k_in, n_out_features, forward, rounds):
     exact = a.double() @ b.double() + SCALE * (low.double() @ right.double())
     l_cat, r_cat = rank_r_along_k(low, right, SCALE)
     c = torch.empty(ROWS, n_out, device="cuda", dtype=torch.bfloat16)
+    triton_tiles = _config(ROWS, n_out, n_in, a.dtype)  # a config: the Triton TMA kernel, not the Gluon one
     calls = {"cublas": lambda: torch.mm(a, b, out=c),
-             "lora_matmul": lambda: lora_matmul(a, b, low, right, SCALE, tma=True),
+             "lora_matmul": lambda: lora_matmul(a, b, low, right, SCALE, tma=True, config=triton_tiles),
+             "gluon": lambda: lora_matmul(a, b, low, right, SCALE, tma=True),
              "plain_flat": launcher(a, w, c, l_cat, r_cat, forward, None)}
-    outputs = {"lora_matmul": calls["lora_matmul"]()[0]}
+    outputs = {key: calls[key]()[0] for key in ("lora_matmul", "gluon")}
     for name, variant in VARIANTS.items():
         calls[name] = launcher(a, w, c, l_cat, r_cat, forward, variant)
         c.fill_(float("nan"))
@@ -165,7 +169,7 @@ def main():
         table.append((f"{shape}_{mode}", floor, {key: t[0] / floor for key, t in times.items()}, errors))
         print(table[-1], flush=True)
     write_rows(rows, "rank_r_gemm", [args.out])
-    keys = ["lora_matmul", "plain_flat", *VARIANTS]
+    keys = ["lora_matmul", "gluon", "plain_flat", *VARIANTS]
     print(f"\nratio to cuBLAS (graph-replayed, alternating); errors: largest relative error to float64 of the variants")
     print(f"{'case':30s} {'cuBLAS us':>9s} " + " ".join(f"{key:>20s}" for key in keys) + f" {'error':>8s}")
     for case, floor, ratios, errors in table:

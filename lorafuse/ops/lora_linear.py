@@ -64,8 +64,8 @@ def _resolve_gemm(gemm, x, weight, lora_A, act, decoding, launch_bound=False):
     # Measured (benchmarks/results/lora_layer.csv, decode.csv). Decoding (inference, <= 16 rows) runs lora_decode
     # (ops.gemv on one row, else its split-K kernels): the Triton GEMM reads the weights at about half cuBLAS's
     # bandwidth there. Other small batches take the single-launch Triton kernel (shrink in its K-loop),
-    # unless that K-loop carries fp32 adapter math. Training sizes on Hopper take the persistent TMA kernel with the
-    # rank-r term in its epilogue (1.02-1.07x cuBLAS's GEMM alone at 8192 rows, r = 16, no activation), which saves
+    # unless that K-loop carries fp32 adapter math. Training sizes on Hopper take the persistent Gluon GEMM with the
+    # rank-r term as one more K-step (1.01-1.05x cuBLAS's GEMM alone at 8192 rows, r = 16, no activation), which saves
     # the cuBLAS route's pre-write of y and its read-back, where it was measured so: 16-bit adapter math or bf16
     # pieces (tf32x3 tiles spill), rank <= 64 (128 overflows its shared memory) and no activation (an fp32 Z to store
     # costs it a stage: 1.21x slower than cuBLAS's route). Elsewhere cuBLAS plus the fused epilogue kernels.

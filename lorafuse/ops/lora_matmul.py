@@ -9,12 +9,16 @@ A dropout mask on dx's adapter term is not fused here: drawn in this epilogue it
 registers at 128x256 tiles (1.6-6.7x cuBLAS on an H200); drawn in the persistent TMA kernel before
 its K-loop it cost that GEMM 6-8 %, as much as the cuBLAS route's masked pre-write saves. That case
 takes the cuBLAS route.
+On Hopper, without an activation or Z, the TMA route runs the Gluon kernel of _lora_matmul_gluon.py instead of
+_lora_matmul_tma: the rank-r term as one more K-step of a hand-written pipeline (1.01-1.05x cuBLAS's GEMM alone, the
+Triton kernel 1.02-1.08x; benchmarks/results/rank_r_gemm.csv).
 """
 import torch
 import triton
 import triton.language as tl
 
 from ._bf16_pieces import split_bf16, uses_bf16_pieces
+from ._lora_matmul_gluon import gluon_gemm_ready, lora_matmul_gluon
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count
 from .activation import activate
 from .dropout import PHILOX_ROUNDS, keep_tile
@@ -234,7 +238,8 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
     with the dropout mask of (seed, threshold, drop_scale) on a when mask_input).
     config: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) overrides the table (benchmarks).
     tma: run the persistent kernel whose tiles (loads and stores) move through Hopper's TMA engine, where the layout
-    allows it (tma_ready); else the pointer kernel.
+    allows it (tma_ready); else the pointer kernel. Without an activation, Z or config, on Hopper with 16-bit rank-r
+    products (bf16 pieces included), that kernel is the Gluon one (_lora_matmul_gluon.py).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -247,6 +252,9 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
     block_m, block_n, block_k, group_m, warps, stages = config or _config(M, N, K, a.dtype)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     sw = shrink_weight
+    if tma and sw is None and tma_ready(a, b) and activation_id == 0 and not store_z and config is None and \
+            gluon_gemm_ready(a, right, on_pieces):
+        return lora_matmul_gluon(a, b, low, right, scale, bias, on_pieces, sm_count(a.device)), None
     if tma and sw is None and tma_ready(a, b):
         b_k_major = b.stride(0) == 1  # b is W^T: W [N, K] row-major
         b_host = b.t() if b_k_major else b

@@ -5,6 +5,8 @@ for real.
   CUDA-graph capture runs lora_decode's kernels, and the replayed graph gives lora_decode's result.
 - dx through the persistent TMA GEMM at its default 128x256 tiles (Hopper): "auto" takes it at training sizes, with
   odd ranks, float32 adapters (bf16 pieces) and bf16 ones.
+- lora_matmul's Gluon GEMM (Hopper) against float64: odd edges, ranks 1-64, bias in x's dtype or float32, x W^T and
+  g W, one wave of tiles or several tiles per program.
 
 Run on the GPU machine in the op tests' GPU mode:
     LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest -q tests/ops/test_gpu_routes.py
@@ -16,15 +18,17 @@ import torch
 
 from lorafuse.ops import lora_linear, lora_linear_reference
 from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
-from lorafuse.ops.lora_matmul import fills_the_gpu, tma_ready
+from lorafuse.ops.lora_matmul import fills_the_gpu, lora_matmul, tma_ready
 from tests.ops._helpers import assert_close
 from tests.ops.test_lora_linear import check
+from tests.ops.test_lora_matmul import SCALE as MATMUL_SCALE, expected  # expected() computes with MATMUL_SCALE
 
 if torch.get_default_device().type != "cuda" or not torch.cuda.is_available():
     pytest.skip("GPU routes: run with LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0 on a CUDA machine",
                 allow_module_level=True)
 
 lora_linear_module = importlib.import_module("lorafuse.ops.lora_linear")
+lora_matmul_module = importlib.import_module("lorafuse.ops.lora_matmul")
 SCALE = 0.7
 
 
@@ -75,3 +79,34 @@ def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, monkeypa
                         lambda *a, **kw: tma_calls.append(kw.get("tma")) or real(*a, **kw))
     check((m, k), n, r, torch.bfloat16, "auto", adapter_dtype=adapter_dtype)
     assert tma_calls == [True, True]  # forward y and backward dx
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
+@pytest.mark.parametrize("m, k, n", [(300, 520, 776), (4096, 1000, 8192)], ids=["one_wave", "many_tiles"])
+@pytest.mark.parametrize("r", [1, 5, 16, 64])
+@pytest.mark.parametrize("dtype, adapter_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float16, torch.float16)],
+                         ids=["bf16_fp32_adapters", "bf16", "fp16"])
+@pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32], ids=["no_bias", "bias", "fp32_bias"])
+@pytest.mark.parametrize("forward", [True, False], ids=["x_WT", "g_W"])
+def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, bias_dtype, forward, monkeypatch):
+    # Odd edges: rows, K and columns not multiples of the 128 x 256 x 64 tiles; forward b is W^T (a K-major view),
+    # dx's b is W itself. "many_tiles": each program walks several tiles, and the next tile's loads overlap.
+    calls = []
+    real = lora_matmul_module.lora_matmul_gluon
+    monkeypatch.setattr(lora_matmul_module, "lora_matmul_gluon", lambda *a: calls.append(1) or real(*a))
+    a = torch.randn(m, k, dtype=dtype)
+    weight = (torch.randn(n, k) / k**0.5).to(dtype) if forward else (torch.randn(k, n) / k**0.5).to(dtype)
+    b = weight.t() if forward else weight
+    low = torch.randn(m, r)
+    right = ((torch.randn(n, r) / r**0.5).to(adapter_dtype).t() if forward
+             else (torch.randn(r, n) / r**0.5).to(adapter_dtype))
+    bias = None if bias_dtype is None else torch.randn(n).to(dtype if bias_dtype == "x" else bias_dtype)
+    assert tma_ready(a, b)
+    c, z = lora_matmul(a, b, low, right, MATMUL_SCALE, bias, tma=True)
+    assert calls == [1] and z is None
+    zero = torch.zeros(n, dtype=dtype)
+    exact, _ = expected(a, b, low, right, zero if bias is None else bias, "identity")
+    plain, _ = expected(a, b, low, right.to(dtype), (zero if bias is None else bias).to(dtype), "identity",
+                        dtype=dtype)
+    assert_close(c, exact, dtype, plain, "C")

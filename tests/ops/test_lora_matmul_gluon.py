@@ -1,0 +1,46 @@
+"""The rank-r operands that lora_matmul's Gluon GEMM (Hopper) reads: against their reference column for column, and
+L @ R against the exact rank-r term plus bias. The GEMM itself (Gluon: TMA and warpgroup MMAs, which Triton's
+interpreter does not run) is tested in test_gpu_routes.py."""
+import pytest
+import torch
+
+from lorafuse.ops._lora_matmul_gluon import rank_r_operands, rank_r_operands_reference, rank_r_width
+
+SCALE = 1.3
+
+
+def rank_r_inputs(m, n, r, right_dtype, bias_dtype):
+    low = torch.randn(m, r) * 3
+    right = (torch.randn(n, r) / r**0.5).to(right_dtype).t()  # lora_B.t(): a transposed view
+    bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
+    return low, right, bias
+
+
+@pytest.mark.parametrize("r", [1, 5, 16, 24, 64])
+@pytest.mark.parametrize("pieces", [True, False], ids=["fp32_pieces", "bf16"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=["no_bias", "bias", "fp32_bias"])
+@pytest.mark.parametrize("r_k_major", [True, False], ids=["k_major", "rows"])
+def test_rank_r_operands_match_the_reference(r, pieces, bias_dtype, r_k_major):
+    m, n = 70, 136  # neither a multiple of the packing block (64)
+    low, right, bias = rank_r_inputs(m, n, r, torch.float32 if pieces else torch.bfloat16, bias_dtype)
+    left, r_op = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, r_k_major)
+    ref_left, ref_right = rank_r_operands_reference(low, right, SCALE, bias, torch.bfloat16, pieces)
+    width = rank_r_width(r, pieces, 0 if bias is None else 1 if bias_dtype == torch.bfloat16 else 2)
+    used = ref_left.shape[1]
+    assert left.shape == (m, width) and width % 8 == 0 and width - used < 8
+    assert r_op.shape == ((n, width) if r_k_major else (width, n))
+    r_rows = r_op.t() if r_k_major else r_op
+    assert torch.equal(left[:, :used], ref_left) and torch.equal(r_rows[:used], ref_right)
+    assert not left[:, used:].any() and not r_rows[used:].any()  # the padding multiplies to nothing
+
+
+@pytest.mark.parametrize("pieces", [True, False], ids=["fp32_pieces", "bf16"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=["no_bias", "bias", "fp32_bias"])
+def test_rank_r_operands_multiply_to_the_rank_r_term(pieces, bias_dtype):
+    # float32 adapters as pieces keep the product to float32 class (the three largest of nine piece products: about
+    # 2^-17 relative); bf16 ones round scale * low once (2^-9).
+    low, right, bias = rank_r_inputs(50, 40, 12, torch.float32 if pieces else torch.bfloat16, bias_dtype)
+    left, r_op = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, False)
+    exact = SCALE * (low.double() @ right.double()) + (0 if bias is None else bias.double())
+    err = ((left.double() @ r_op.double() - exact).norm() / exact.norm()).item()
+    assert err < (3e-5 if pieces else 4e-3)
