@@ -30,7 +30,10 @@ def test_rank_r_operands_match_the_reference(r, pieces, bias_dtype, r_k_major):
     assert left.shape == (m, width) and width % 8 == 0 and width - used < 8
     assert r_op.shape == ((n, width) if r_k_major else (width, n))
     r_rows = r_op.t() if r_k_major else r_op
-    assert torch.equal(left[:, :used], ref_left) and torch.equal(r_rows[:used], ref_right)
+    # Compiled, the kernel may fuse scale * low - hi into one rounding (an FMA): the middle pieces may then differ
+    # from the reference's in their last bit. Anything else (order of the pieces, bias, ones) is off by far more.
+    for got, ref in ((left[:, :used], ref_left), (r_rows[:used], ref_right)):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=0)
     assert not left[:, used:].any() and not r_rows[used:].any()  # the padding multiplies to nothing
 
 
