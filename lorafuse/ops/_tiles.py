@@ -66,3 +66,12 @@ def lora_precision(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> str:
     if x_dtype == torch.float32:
         return "ieee"
     return "tf32x3" if lora_in_fp32(x_dtype, adapter_dtype) else "tf32"
+
+
+def atomic_partial_sums(parts: int) -> bool:
+    """Whether a kernel adds its `parts` partial sums of a small output (dB: [N, r]) into it with float32 atomics
+    instead of writing them for a reduction afterwards: the partials cost a write and a read of parts x the output
+    (8192 rows, 14336 columns, r = 16: 59 MB each way) and a launch. Atomics add in no fixed order, so the last bits
+    vary from run to run: under torch.use_deterministic_algorithms(True) the partials are kept, as PyTorch does for
+    its own atomic kernels."""
+    return parts > 1 and not torch.are_deterministic_algorithms_enabled()

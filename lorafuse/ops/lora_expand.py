@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
-from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
+from ._lora_expand_gluon import expand_backward_gluon, gluon_expand_backward_ready
+from ._tiles import atomic_partial_sums, lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
 from .activation import activate, activate_grad, activation_reference
 
 
@@ -56,10 +57,11 @@ def _expand_fwd(y_ptr, base_ptr, s_ptr, b_ptr, bias_ptr, z_ptr, M, N, rank, scal
 @triton.jit
 def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, dbias_part_ptr, M, N, rank, scale,
                 cols_per_split, ACT: tl.constexpr, STORE_G: tl.constexpr, STORE_DBIAS: tl.constexpr,
-                LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, ATOMIC_DB: tl.constexpr, R: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     # dy, z, g: [M, N]; s: [M, rank] fp32; B: [N, rank] ([3, N, rank] bf16 pieces when ON_PIECES: ACT is 0)
-    # ds_part: [splits, M, rank], db_part: [row_blocks, rank, N] (dB transposed), dbias_part: [row_blocks, N] (fp32)
+    # ds_part: [splits, M, rank], db_part: [row_blocks, rank, N] (dB transposed), dbias_part: [row_blocks, N] (fp32);
+    # ATOMIC_DB: db_part is dB^T itself, [rank, N] zeroed, and the row blocks add into it
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
     ranks = tl.arange(0, R)
@@ -103,9 +105,12 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
             g_lora = g32.to(cd) if LORA_FP32 else g
             ds = tl.dot(g_lora, b.to(cd), ds, input_precision=PRECISION)
             db_t = tl.dot(s_t, g_lora, input_precision=PRECISION)
-        db_offs = tl.program_id(0).to(tl.int64) * N * rank + ranks[:, None] * N + cols[None, :]  # may pass 2^31
-        tl.store(db_part_ptr + db_offs, scale * db_t,
-                 mask=(ranks[:, None] < rank) & col_ok[None, :])
+        db_mask = (ranks[:, None] < rank) & col_ok[None, :]
+        if ATOMIC_DB:
+            tl.atomic_add(db_part_ptr + ranks[:, None] * N + cols[None, :], scale * db_t, mask=db_mask, sem="relaxed")
+        else:
+            db_offs = tl.program_id(0).to(tl.int64) * N * rank + ranks[:, None] * N + cols[None, :]  # may pass 2^31
+            tl.store(db_part_ptr + db_offs, scale * db_t, mask=db_mask)
         if STORE_DBIAS:
             tl.store(dbias_part_ptr + tl.program_id(0) * N + cols, tl.sum(g32, axis=0), mask=col_ok)
     tl.store(ds_part_ptr + split * M * rank + rows[:, None] * rank + ranks[None, :], scale * ds,
@@ -153,11 +158,15 @@ def _expand_backward_config(M, N, tf32x3, sms):
 
 def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, config=None):
     """One pass over dy: returns (g, ds, dB, dbias); g is dy when the activation is the identity.
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks)."""
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks), and keeps the
+    Triton kernel; without it, Hopper takes the Gluon kernel where it applies (_lora_expand_gluon.py)."""
     # dy: [M, N] contiguous, z: [M, N] or None, s: [M, r] fp32, B: [N, r]
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
     fp32 = lora_in_fp32(dy.dtype, B.dtype)
     on_pieces = activation_id == 0 and uses_bf16_pieces(dy.dtype, B.dtype)
+    if config is None and gluon_expand_backward_ready(dy, B, activation_id, need_dbias, on_pieces):
+        ds, db = expand_backward_gluon(dy, s, bf16_pieces(B), scale, sm_count(dy.device))
+        return dy, ds, db, None
     config = config or _expand_backward_config(M, N, fp32 and not on_pieces, sm_count(dy.device))
     block_m, block_n, warps, stages, programs = config
     row_blocks = triton.cdiv(M, block_m)
@@ -165,15 +174,17 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     store_g = activation_id != 0
     g = torch.empty_like(dy) if store_g else dy
     ds_part = torch.empty(splits, M, r, device=dy.device, dtype=torch.float32)
-    db_part = torch.empty(row_blocks, r, N, device=dy.device, dtype=torch.float32)
+    atomic = atomic_partial_sums(row_blocks)
+    db_part = (torch.zeros(r, N, device=dy.device, dtype=torch.float32) if atomic
+               else torch.empty(row_blocks, r, N, device=dy.device, dtype=torch.float32))
     dbias_part = torch.empty(row_blocks, N, device=dy.device, dtype=torch.float32) if need_dbias else None
     _expand_bwd[(row_blocks, splits)](
         dy, z, s, bf16_pieces(B) if on_pieces else B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale,
         cols_per_split, ACT=activation_id, STORE_G=store_g, STORE_DBIAS=need_dbias, LORA_FP32=fp32,
-        ON_PIECES=on_pieces, R=padded_rank(r),
+        ON_PIECES=on_pieces, ATOMIC_DB=atomic, R=padded_rank(r),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dy.dtype, B.dtype),
         num_warps=warps, num_stages=stages)
     ds = ds_part.sum(0) if splits > 1 else ds_part[0]
-    db = (db_part.sum(0) if row_blocks > 1 else db_part[0]).t()
+    db = (db_part if atomic else db_part.sum(0) if row_blocks > 1 else db_part[0]).t()
     dbias = dbias_part.sum(0) if need_dbias else None
     return g, ds, db, dbias

@@ -7,6 +7,8 @@ for real.
   odd ranks, float32 adapters (bf16 pieces) and bf16 ones.
 - lora_matmul's Gluon GEMM (Hopper) against float64: odd edges, ranks 1-64, bias in x's dtype or float32, x W^T and
   g W, one wave of tiles or several tiles per program.
+- lora_expand_backward's Gluon kernel (Hopper, float32 adapters as bf16 pieces) against float64: odd edges, ranks
+  8-64, dB added with atomics or as partial sums (deterministic mode).
 
 Run on the GPU machine in the op tests' GPU mode:
     LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest -q tests/ops/test_gpu_routes.py
@@ -18,6 +20,7 @@ import torch
 
 from lorafuse.ops import lora_linear, lora_linear_reference
 from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
+from lorafuse.ops.lora_expand import lora_expand_backward
 from lorafuse.ops.lora_matmul import fills_the_gpu, lora_matmul, tma_ready
 from tests.ops._helpers import assert_close
 from tests.ops.test_lora_linear import check
@@ -29,6 +32,7 @@ if torch.get_default_device().type != "cuda" or not torch.cuda.is_available():
 
 lora_linear_module = importlib.import_module("lorafuse.ops.lora_linear")
 lora_matmul_module = importlib.import_module("lorafuse.ops.lora_matmul")
+lora_expand_module = importlib.import_module("lorafuse.ops.lora_expand")
 SCALE = 0.7
 
 
@@ -110,3 +114,27 @@ def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, bias_dtype
     plain, _ = expected(a, b, low, right.to(dtype), (zero if bias is None else bias).to(dtype), "identity",
                         dtype=dtype)
     assert_close(c, exact, dtype, plain, "C")
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel runs on compute capability 9")
+@pytest.mark.parametrize("m, n", [(300, 776), (4100, 8200)], ids=["small", "many_programs"])
+@pytest.mark.parametrize("r", [8, 16, 24, 32, 64])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dB", "deterministic"])
+def test_gluon_expand_backward_matches_float64(m, n, r, deterministic, monkeypatch):
+    # ds = scale * dy B and dB = scale * dy^T s for float32 adapters on bf16 dy (PEFT's default); rows and columns
+    # not multiples of the 128 x 64 tiles, several column splits (partial ds sums) and row blocks (dB added with
+    # atomics, or partial sums under torch.use_deterministic_algorithms).
+    calls = []
+    real = lora_expand_module.expand_backward_gluon
+    monkeypatch.setattr(lora_expand_module, "expand_backward_gluon", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    dy = torch.randn(m, n, dtype=torch.bfloat16)
+    s = torch.randn(m, r)
+    B = torch.randn(n, r) / r**0.5
+    g, ds, dB, dbias = lora_expand_backward(dy, None, s, B, SCALE)
+    assert calls == [1] and g is dy and dbias is None
+    exact = {"s": SCALE * dy.double() @ B.double(), "B": SCALE * dy.double().t() @ s.double()}
+    plain = {"s": SCALE * dy.float() @ B, "B": SCALE * dy.float().t() @ s}  # PEFT's float32 adapter path
+    for name, got in (("s", ds), ("B", dB)):
+        assert got.dtype == torch.float32
+        assert_close(got, exact[name], torch.float32, plain[name], name)

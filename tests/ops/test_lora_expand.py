@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lorafuse.ops.activation import ACTIVATIONS, activation_id, activation_reference
+from lorafuse.ops._tiles import atomic_partial_sums
 from lorafuse.ops.lora_expand import lora_expand, lora_expand_backward, lora_expand_reference
 from tests.ops._helpers import DTYPES, assert_all_close, assert_close, cast, dtype_id, forward_backward, poison
 
@@ -167,3 +168,18 @@ def test_backward_tiling(config):
                              dy.double(), ("base", "s", "B", "bias"))
     exact.pop("out")
     assert_all_close({"base": g, "s": ds, "B": dB, "bias": dbias}, exact, torch.float32)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dB", "deterministic"])
+def test_backward_adds_dB_with_atomics_unless_deterministic(deterministic, monkeypatch):
+    # Row blocks add their dB shares with float32 atomics (no partial sums to write and reduce), except under
+    # torch.use_deterministic_algorithms(True), where they write partials that a reduction sums in a fixed order.
+    # Both give the exact gradient.
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    assert atomic_partial_sums(5) is not deterministic and not atomic_partial_sums(1)
+    m, n, r = 300, 600, 8  # 5 row blocks of 64
+    inputs = random_inputs(m, n, r, torch.float32)
+    dy = torch.randn(m, n)
+    _, ds, dB, _ = lora_expand_backward(dy, None, inputs["s"], inputs["B"], SCALE)
+    exact = grads_at(torch.zeros(m, n, dtype=torch.float64), dy, inputs["s"], inputs["B"], "identity")
+    assert_all_close({"s": ds, "B": dB}, {"s": exact["s"], "B": exact["B"]}, torch.float32)

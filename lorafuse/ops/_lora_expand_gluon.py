@@ -1,0 +1,174 @@
+"""lora_expand_backward's pass over dy on Hopper, in Gluon: ds = scale * dy B and dB = scale * dy^T s with the dy
+tiles in shared memory, read there by both products.
+
+Why: the Triton kernel runs at 2.5-3x its read floor, latency-bound (Nsight Compute: 15 % achieved occupancy; each
+[BM, BN] tile of dy goes through registers and layout conversions to feed two dots of opposite orientation;
+benchmarks/NOTES_lora_layer.md). Here TMA streams dy through a ring of shared-memory tiles, and warpgroup MMAs read
+each tile twice: as A of ds ([BM, BN] @ [BN, R]) and, transposed, as A of dB's partial ([BN, BM] @ [BM, R]).
+Covers the identity activation without dbias (LoRA's usual backward) with float32 adapters on bf16 dy (PEFT's
+default) as bf16 pieces: three products each, summed as _bf16_pieces.dot_pieces does. With six small products per
+tile the kernel is bound by its MMAs and their shared-memory reads, not by dy's bytes: reading each tile into
+registers once for all three products of an orientation (rank <= 32) took 8192 x 14336, r = 16 from 127 us
+(the Triton kernel) to 97 us; r = 64 runs out of registers that way and reads A from shared memory. Adapters in dy's
+dtype (two products a tile) stay on the Triton kernel, which was as fast or faster there (H200,
+benchmarks/NOTES_lora_layer.md).
+"""
+import torch
+import triton
+
+from ._bf16_pieces import PIECES
+from ._tiles import atomic_partial_sums
+
+try:  # Gluon's Hopper API as of Triton 3.6 (the GPU machines); without it the Triton kernel runs
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover
+    gluon = None
+
+BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
+
+
+def _config(r):
+    # (A in registers, ring buffers, programs per SM), swept on an H200 at 8192 x 4096 and 8192 x 14336
+    return (True, 3, 3) if r <= 32 else (False, 4, 2)
+
+
+def gluon_expand_backward_ready(dy, B, activation_id, need_dbias, pieces) -> bool:
+    """Whether lora_expand_backward takes the Gluon kernel: Hopper, no activation or dbias, float32 adapters as bf16
+    pieces on bf16 dy, TMA's 16-byte rows (rank a multiple of 8)."""
+    # dy: [M, N], B: [N, r]
+    if gluon is None or not dy.is_cuda or torch.cuda.get_device_capability(dy.device)[0] != 9:
+        return False
+    M, N, r = dy.shape[0], B.shape[0], B.shape[1]
+    return (activation_id == 0 and not need_dbias and pieces and r % 8 == 0 and r <= 64 and N % 8 == 0
+            and dy.is_contiguous() and M >= BLOCK_M)
+
+
+if gluon is not None:
+    @gluon.jit
+    def _load_chunk(chunk, n0, off_m, dy_desc, b_desc, N, ready, dy_ring, b_ring, P: gl.constexpr, pred):
+        # TMA loads of chunk `chunk` of this program's columns (dy[off_m:, n0:] and B's pieces at those rows) into
+        # ring slot chunk % buffers
+        BN: gl.constexpr = dy_desc.block_type.shape[1]
+        index = chunk % dy_ring.type.shape[0]
+        bar = ready.index(index)
+        col = n0 + chunk * BN
+        mbarrier.expect(bar, dy_desc.block_type.nbytes + P * b_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(dy_desc, [off_m, col], bar, dy_ring.index(index), pred)
+        for p in gl.static_range(P):  # piece p of B is rows p * N ... of its [P * N, r] view
+            tma.async_copy_global_to_shared(b_desc, [p * N + col, 0], bar, b_ring.index(index * P + p), pred)
+
+    @gluon.jit
+    def _expand_bwd(dy_desc, b_desc, s_ptr, ds_part_ptr, db_part_ptr, M, N, rank, scale, cols_per_split,
+                    P: gl.constexpr, R: gl.constexpr, BUFFERS: gl.constexpr, ATOMIC_DB: gl.constexpr,
+                    A_IN_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+        # dy: [M, N] in [BM, BN] boxes; B: [P * N, rank] (its P bf16 pieces stacked) in [BN, R] boxes; s: [M, rank]
+        # fp32; ds_part: [splits, M, rank], db_part: [row_blocks, N, rank] (fp32, scale applied), or with ATOMIC_DB dB
+        # [N, rank] itself, zeroed, which the row blocks add into. Program (i, j): rows i * BM..., columns
+        # j * cols_per_split... in chunks of BN.
+        BM: gl.constexpr = dy_desc.block_type.shape[0]
+        BN: gl.constexpr = dy_desc.block_type.shape[1]
+        dtype: gl.constexpr = dy_desc.dtype
+        buffers: gl.constexpr = BUFFERS
+        off_m = gl.program_id(0) * BM
+        split = gl.program_id(1)
+        n0 = split * cols_per_split
+        chunks = gl.cdiv(gl.minimum(N - n0, cols_per_split), BN)
+
+        dy_ring = gl.allocate_shared_memory(dtype, [buffers] + dy_desc.block_type.shape, dy_desc.layout)
+        b_ring = gl.allocate_shared_memory(dtype, [buffers * P] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [buffers, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(buffers):
+            mbarrier.init(ready.index(i), count=1)
+        for c in gl.static_range(buffers - 1):
+            _load_chunk(c, n0, off_m, dy_desc, b_desc, N, ready, dy_ring, b_ring, P, c < chunks)
+
+        # s's rows of this program as P pieces in shared memory: dB's B operand ([BM, R], rows along K)
+        s_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (R // 4), R // 4], [num_warps, 1], [1, 0])
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        ranks = gl.arange(0, R, layout=gl.SliceLayout(0, s_layout))
+        s_mask = (rows[:, None] < M) & (ranks[None, :] < rank)
+        s = gl.load(s_ptr + rows[:, None] * rank + ranks[None, :], mask=s_mask, other=0.0)
+        s_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, R], dtype)
+        s_pieces = gl.allocate_shared_memory(dtype, [P, BM, R], s_smem_layout)
+        rest = s
+        for p in gl.static_range(P):
+            piece = rest.to(dtype)
+            s_pieces.index(p).store(piece)
+            rest = rest - piece.to(gl.float32)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's pieces are in before any MMA reads them
+
+        acc_ds_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                instr_shape=[16, R, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_ds_layout, k_width=2)
+        ds = gl.zeros((BM, R), gl.float32, acc_ds_layout)
+        db_rows = gl.arange(0, BN, layout=gl.SliceLayout(1, acc_ds_layout))
+        db_ranks = gl.arange(0, R, layout=gl.SliceLayout(0, acc_ds_layout))
+        db_base = db_part_ptr if ATOMIC_DB else db_part_ptr + gl.program_id(0).to(gl.int64) * N * rank
+        for c in range(chunks):
+            # the slot of chunk c - 1, whose MMAs have completed
+            _load_chunk(c + buffers - 1, n0, off_m, dy_desc, b_desc, N, ready, dy_ring, b_ring, P,
+                        c + buffers - 1 < chunks)
+            index = c % buffers
+            mbarrier.wait(ready.index(index), c // buffers & 1)
+            tile = dy_ring.index(index)
+            if A_IN_REGISTERS:  # read once per orientation for all P products (from shared memory: P reads)
+                tile_a = tile.load(a_layout)
+                tile_t = tile.permute((1, 0)).load(a_layout)
+            else:
+                tile_a = tile
+                tile_t = tile.permute((1, 0))
+            # ds += tile @ (B pieces), smallest first into a fresh accumulator, joined with one rounded add
+            part = gl.zeros((BM, R), gl.float32, acc_ds_layout)
+            for p in gl.static_range(P):
+                part = warpgroup_mma(tile_a, b_ring.index(index * P + P - 1 - p), part, is_async=True)
+            # dB's rows of these columns: tile^T @ (s pieces)
+            db = gl.zeros((BN, R), gl.float32, acc_ds_layout)
+            for p in gl.static_range(P):
+                db = warpgroup_mma(tile_t, s_pieces.index(p), db, is_async=True)
+            part, db = warpgroup_mma_wait(num_outstanding=0, deps=(part, db))
+            ds += part
+            cols = n0 + c * BN + db_rows
+            db_mask = (cols[:, None] < gl.minimum(N, n0 + cols_per_split)) & (db_ranks[None, :] < rank)
+            if ATOMIC_DB:
+                gl.atomic_add(db_base + cols[:, None] * rank + db_ranks[None, :], scale * db, mask=db_mask,
+                              sem="relaxed")
+            else:
+                gl.store(db_base + cols[:, None] * rank + db_ranks[None, :], scale * db, mask=db_mask)
+        ds_rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_ds_layout))
+        gl.store(ds_part_ptr + split * M * rank + ds_rows[:, None] * rank + db_ranks[None, :], scale * ds,
+                 mask=(ds_rows[:, None] < M) & (db_ranks[None, :] < rank))
+
+
+def expand_backward_gluon(dy, s, b_pieces, scale, sms):
+    """(ds, dB) of lora_expand_backward through _expand_bwd (gluon_expand_backward_ready holds)."""
+    # dy: [M, N] bf16 contiguous, s: [M, r] fp32, b_pieces: [3, N, r] bf16 (B's pieces)
+    M, N = dy.shape
+    r = b_pieces.shape[-1]
+    a_in_registers, buffers, per_sm = _config(r)
+    programs = per_sm * sms
+    P = PIECES
+    R = max(16, triton.next_power_of_2(r))
+    dtype = gl.bfloat16
+    row_blocks = triton.cdiv(M, BLOCK_M)
+    splits = max(1, min(triton.cdiv(N, BLOCK_N), triton.cdiv(programs, row_blocks)))
+    cols_per_split = triton.cdiv(triton.cdiv(N, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(N, cols_per_split)
+    dy_desc = TensorDescriptor.from_tensor(dy, [BLOCK_M, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+    b_desc = TensorDescriptor.from_tensor(b_pieces.reshape(P * N, r), [BLOCK_N, R],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
+    ds_part = torch.empty(splits, M, r, device=dy.device, dtype=torch.float32)
+    atomic = atomic_partial_sums(row_blocks)
+    db_part = (torch.zeros(N, r, device=dy.device, dtype=torch.float32) if atomic
+               else torch.empty(row_blocks, N, r, device=dy.device, dtype=torch.float32))
+    _expand_bwd[(row_blocks, splits)](dy_desc, b_desc, s.contiguous(), ds_part, db_part, M, N, r, scale,
+                                      cols_per_split, P=P, R=R, BUFFERS=buffers, ATOMIC_DB=atomic,
+                                      A_IN_REGISTERS=a_in_registers, num_warps=WARPS)
+    ds = ds_part.sum(0) if splits > 1 else ds_part[0]
+    db = db_part if atomic else db_part.sum(0) if row_blocks > 1 else db_part[0]
+    return ds, db
