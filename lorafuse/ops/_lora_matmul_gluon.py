@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tiles import lora_in_fp32
+
 try:  # Gluon's Hopper API as of Triton 3.6 (the GPU machines); without it lora_matmul keeps its Triton kernels
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -37,12 +39,12 @@ def rank_r_width(r: int, pieces: bool, bias_columns: int) -> int:
 
 def gluon_gemm_ready(a, right, pieces: bool) -> bool:
     """Whether lora_matmul's TMA route can take the Gluon GEMM: Hopper (warpgroup MMAs: compute capability 9.x),
-    16-bit A and B (the caller checked TMA's alignment), and the rank-r product as exact 16-bit products: adapters in
-    A's dtype (16-bit adapter math) or bf16 pieces of float32 ones."""
+    16-bit A and B (the caller checked TMA's alignment), and the rank-r product as 16-bit products: 16-bit adapter
+    math (adapters in A's dtype, or rounded to it: LORAFUSE_ADAPTER_MATH=fast) or bf16 pieces of float32 ones."""
     # a: [M, K], right: [r, N]
     if gluon is None or not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] != 9:
         return False
-    return a.dtype in (torch.bfloat16, torch.float16) and (pieces or right.dtype == a.dtype)
+    return a.dtype in (torch.bfloat16, torch.float16) and (pieces or not lora_in_fp32(a.dtype, right.dtype))
 
 
 def rank_r_operands_reference(low, right, scale, bias, dtype, pieces):

@@ -88,14 +88,18 @@ def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, monkeypa
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
 @pytest.mark.parametrize("m, k, n", [(300, 520, 776), (4096, 1000, 8192)], ids=["one_wave", "many_tiles"])
 @pytest.mark.parametrize("r", [1, 5, 16, 64])
-@pytest.mark.parametrize("dtype, adapter_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                                  (torch.float16, torch.float16)],
-                         ids=["bf16_fp32_adapters", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype, adapter_dtype, math", [(torch.bfloat16, torch.float32, "exact"),
+                                                        (torch.bfloat16, torch.float32, "fast"),
+                                                        (torch.bfloat16, torch.bfloat16, "exact"),
+                                                        (torch.float16, torch.float16, "exact")],
+                         ids=["bf16_fp32_adapters", "bf16_fp32_adapters_fast", "bf16", "fp16"])
 @pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32], ids=["no_bias", "bias", "fp32_bias"])
 @pytest.mark.parametrize("forward", [True, False], ids=["x_WT", "g_W"])
-def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, bias_dtype, forward, monkeypatch):
+def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, math, bias_dtype, forward, monkeypatch):
     # Odd edges: rows, K and columns not multiples of the 128 x 256 x 64 tiles; forward b is W^T (a K-major view),
-    # dx's b is W itself. "many_tiles": each program walks several tiles, and the next tile's loads overlap.
+    # dx's b is W itself. "many_tiles": each program walks several tiles, and the next tile's loads overlap. "fast":
+    # float32 adapters rounded to bf16 (LORAFUSE_ADAPTER_MATH=fast), held to PyTorch's bf16 computation like bf16 ones.
+    monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
     calls = []
     real = lora_matmul_module.lora_matmul_gluon
     monkeypatch.setattr(lora_matmul_module, "lora_matmul_gluon", lambda *a: calls.append(1) or real(*a))
