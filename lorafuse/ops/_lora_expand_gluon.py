@@ -1,5 +1,5 @@
 """lora_expand_backward's pass over dy on Hopper, in Gluon: ds = scale * dy B and dB = scale * dy^T s with the dy
-tiles in shared memory, read there by both products.
+tiles in shared memory, read there by both products. Its reference is the autograd of lora_expand_reference.
 
 Why: the Triton kernel runs at 2.5-3x its read floor, latency-bound (Nsight Compute: 15 % achieved occupancy; each
 [BM, BN] tile of dy goes through registers and layout conversions to feed two dots of opposite orientation;

@@ -1,5 +1,6 @@
 """lora_matmul's Hopper GEMM in Gluon: C = A @ B + L @ R, the rank-r term and the bias as the last K-steps of the
-same software-pipelined loop.
+same software-pipelined loop. Its reference is lora_matmul_reference (identity activation); the packing's is
+rank_r_operands_reference.
 
 Why Gluon: Triton's own pipeliner keeps a persistent TMA GEMM at cuBLAS's speed only while its tile loop is a plain
 K-loop; the rank-r term in the epilogue cost 2-9 %, and as an extra K-step the pipeliner fell back to one stage

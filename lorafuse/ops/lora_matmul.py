@@ -20,13 +20,24 @@ import triton.language as tl
 from ._bf16_pieces import split_bf16, uses_bf16_pieces
 from ._lora_matmul_gluon import gluon_gemm_ready, lora_matmul_gluon
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count
-from .activation import activate
+from .activation import activate, activation_reference
 from .dropout import PHILOX_ROUNDS, keep_tile
 
 try:  # Triton >= 3.3; older versions run the pointer-based kernel only
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
+
+
+def lora_matmul_reference(a, b, low, right, scale, bias=None, activation="identity", dtype=None):
+    """act(a @ b + scale * (low @ right) + bias), every operand in `dtype` (default: a's; float64 for the exact
+    result). What lora_matmul's kernels compute, without the fused shrink."""
+    # a: [M, K], b: [K, N], low: [M, r], right: [r, N], bias: [N] or None
+    dtype = dtype or a.dtype
+    z = a.to(dtype) @ b.to(dtype) + scale * (low.to(dtype) @ right.to(dtype))
+    if bias is not None:
+        z = z + bias.to(dtype)
+    return activation_reference(z, activation)
 
 
 @triton.jit

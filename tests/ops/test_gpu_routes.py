@@ -21,10 +21,9 @@ import torch
 from lorafuse.ops import lora_linear, lora_linear_reference
 from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
 from lorafuse.ops.lora_expand import lora_expand_backward
-from lorafuse.ops.lora_matmul import fills_the_gpu, lora_matmul, tma_ready
+from lorafuse.ops.lora_matmul import fills_the_gpu, lora_matmul, lora_matmul_reference, tma_ready
 from tests.ops._helpers import assert_close
 from tests.ops.test_lora_linear import check
-from tests.ops.test_lora_matmul import SCALE as MATMUL_SCALE, expected  # expected() computes with MATMUL_SCALE
 
 if torch.get_default_device().type != "cuda" or not torch.cuda.is_available():
     pytest.skip("GPU routes: run with LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0 on a CUDA machine",
@@ -111,12 +110,10 @@ def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, math, bias
              else (torch.randn(r, n) / r**0.5).to(adapter_dtype))
     bias = None if bias_dtype is None else torch.randn(n).to(dtype if bias_dtype == "x" else bias_dtype)
     assert tma_ready(a, b)
-    c, z = lora_matmul(a, b, low, right, MATMUL_SCALE, bias, tma=True)
+    c, z = lora_matmul(a, b, low, right, SCALE, bias, tma=True)
     assert calls == [1] and z is None
-    zero = torch.zeros(n, dtype=dtype)
-    exact, _ = expected(a, b, low, right, zero if bias is None else bias, "identity")
-    plain, _ = expected(a, b, low, right.to(dtype), (zero if bias is None else bias).to(dtype), "identity",
-                        dtype=dtype)
+    exact = lora_matmul_reference(a, b, low, right, SCALE, bias, dtype=torch.float64)
+    plain = lora_matmul_reference(a, b, low, right, SCALE, bias)  # in x's dtype
     assert_close(c, exact, dtype, plain, "C")
 
 
