@@ -19,20 +19,15 @@ import triton
 from ._bf16_pieces import PIECES
 from ._tiles import atomic_partial_sums
 
-try:  # Gluon's Hopper API as of Triton 3.6 (the GPU machines); without it the Triton kernel runs
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                 warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover
-    gluon = None
+from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, runs_gluon_hopper, tma,
+                     warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
 
 
 def _config(r):
-    # (A in registers, ring buffers, programs per SM), swept on an H200 at 8192 x 4096 and 8192 x 14336
+    # (A in registers, ring buffers, programs per SM that the grid is sized for; at most two fit), swept on an H200
+    # at 8192 x 4096 and 8192 x 14336
     return (True, 3, 3) if r <= 32 else (False, 4, 2)
 
 
@@ -40,7 +35,7 @@ def gluon_expand_backward_ready(dy, B, activation_id, need_dbias, pieces) -> boo
     """Whether lora_expand_backward takes the Gluon kernel: Hopper, no activation or dbias, float32 adapters as bf16
     pieces on bf16 dy, TMA's 16-byte rows (rank a multiple of 8)."""
     # dy: [M, N], B: [N, r]
-    if gluon is None or not dy.is_cuda or torch.cuda.get_device_capability(dy.device)[0] != 9:
+    if not runs_gluon_hopper(dy):
         return False
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
     return (activation_id == 0 and not need_dbias and pieces and r % 8 == 0 and r <= 64 and N % 8 == 0

@@ -20,14 +20,8 @@ import triton.language as tl
 
 from ._tiles import lora_in_fp32
 
-try:  # Gluon's Hopper API as of Triton 3.6 (the GPU machines); without it lora_matmul keeps its Triton kernels
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                 warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover
-    gluon = None
+from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, runs_gluon_hopper, tma,
+                     warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 NUM_BUFFERS, GROUP_M, WARPS = 3, 8, 8  # 3 x 48 KB of operand ring + 64 KB for C's store: 213 KB of shared memory
@@ -43,7 +37,7 @@ def gluon_gemm_ready(a, right, pieces: bool) -> bool:
     16-bit A and B (the caller checked TMA's alignment), and the rank-r product as 16-bit products: 16-bit adapter
     math (adapters in A's dtype, or rounded to it: LORAFUSE_ADAPTER_MATH=fast) or bf16 pieces of float32 ones."""
     # a: [M, K], right: [r, N]
-    if gluon is None or not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] != 9:
+    if not runs_gluon_hopper(a):
         return False
     return a.dtype in (torch.bfloat16, torch.float16) and (pieces or not lora_in_fp32(a.dtype, right.dtype))
 
