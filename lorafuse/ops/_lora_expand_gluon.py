@@ -1,26 +1,23 @@
 """lora_expand_backward's pass over dy on Hopper, in Gluon: ds = scale * dy B and dB = scale * dy^T s with the dy
 tiles in shared memory, read there by both products. Its reference is the autograd of lora_expand_reference.
 
-Why: the Triton kernel runs at 2.5-3x its read floor, latency-bound (Nsight Compute: 15 % achieved occupancy; each
-[BM, BN] tile of dy goes through registers and layout conversions to feed two dots of opposite orientation;
-benchmarks/NOTES_lora_layer.md). Here TMA streams dy through a ring of shared-memory tiles, and warpgroup MMAs read
-each tile twice: as A of ds ([BM, BN] @ [BN, R]) and, transposed, as A of dB's partial ([BN, BM] @ [BM, R]).
 Covers the identity activation without dbias (LoRA's usual backward) with float32 adapters on bf16 dy (PEFT's
-default) as bf16 pieces: three products each, summed as _bf16_pieces.dot_pieces does. With six small products per
-tile the kernel is bound by its MMAs and their shared-memory reads, not by dy's bytes: reading each tile into
-registers once for all three products of an orientation (rank <= 32) took 8192 x 14336, r = 16 from 127 us
-(the Triton kernel) to 97 us; r = 64 runs out of registers that way and reads A from shared memory. Adapters in dy's
-dtype (two products a tile) stay on the Triton kernel, which was as fast or faster there (H200,
-benchmarks/NOTES_lora_layer.md).
+default), as bf16 pieces: three products for each of ds and dB, summed as _bf16_pieces.dot_pieces does.
+
+Why: with six small products per [128, 64] tile (N = the rank), the pass is bound by its MMAs and by their reads of
+the tile, not by dy's bytes: at r = 16 the Triton kernel runs at 2.2-2.8x dy's read floor, bf16 adapters (two
+products a tile) 25 % faster, and ranks 32 and 64 slower in step with their products. Here TMA streams dy through a ring of shared-memory tiles, and each tile is read into registers
+once per orientation for all three of its products (rank <= 32; rank 64 runs out of registers that way and keeps A
+in shared memory). H200, 8192 x 14336, r = 16, atomics in both: 126 us (Triton) -> 102 us
+(benchmarks/probe_expand_backward.py). Adapters in dy's dtype keep the Triton kernel, as fast or faster there.
 """
 import torch
 import triton
 
 from ._bf16_pieces import PIECES
-from ._tiles import atomic_partial_sums
-
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, runs_gluon_hopper, tma,
                      warpgroup_mma, warpgroup_mma_wait)
+from ._tiles import atomic_partial_sums
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
 

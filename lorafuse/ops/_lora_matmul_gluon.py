@@ -6,8 +6,9 @@ Why Gluon: Triton's own pipeliner keeps a persistent TMA GEMM at cuBLAS's speed 
 K-loop; the rank-r term in the epilogue cost 2-9 %, and as an extra K-step the pipeliner fell back to one stage
 (benchmarks/NOTES_lora_layer.md). Gluon (part of Triton) lets the kernel write its own pipeline: TMA loads run
 NUM_BUFFERS - 1 steps ahead of the asynchronous warpgroup MMAs, across tile boundaries, and the rank-r step is one
-more load of the ring from two more descriptors. H200, 8192 rows, r = 16: 1.00-1.03x cuBLAS's GEMM alone, against
-1.02-1.09x for the Triton kernel (benchmarks/results/rank_r_gemm.csv).
+more load of the ring from two more descriptors. H200, 8192 rows, r = 16: 1.01-1.05x cuBLAS's GEMM alone with the
+packing launch (the kernel alone 1.00-1.03x), against 1.02-1.08x for the Triton kernel
+(benchmarks/probe_rank_r_gemm.py, results/rank_r_gemm.csv).
 
 The rank-r operands are packed by one Triton launch (`rank_r_operands`): L = [scale * low | 1] and R = [right; bias]
 in A's dtype. float32 adapters on bf16 activations go as bf16 pieces along K (_bf16_pieces.py): L = [l0 | l1 | l0],
@@ -18,10 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import lora_in_fp32
-
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, runs_gluon_hopper, tma,
                      warpgroup_mma, warpgroup_mma_wait)
+from ._tiles import lora_in_fp32
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 NUM_BUFFERS, GROUP_M, WARPS = 3, 8, 8  # 3 x 48 KB of operand ring + 64 KB for C's store: 213 KB of shared memory
