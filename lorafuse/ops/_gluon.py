@@ -9,6 +9,8 @@ import functools
 import torch
 import triton
 
+from .._logging import log_once
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -35,3 +37,27 @@ def runs_gluon_hopper(t: torch.Tensor) -> bool:
     """Whether the Gluon kernels can take tensors like t: on a compute capability 9.x GPU (warpgroup MMAs, which
     Blackwell does not have), with a Triton whose Gluon they were tested against."""
     return (gluon is not None and t.is_cuda and _version(triton.__version__) >= TESTED_FROM and _hopper(t.device))
+
+
+_working: set[str] = set()
+_broken: set[str] = set()
+
+
+def launch_or_fall_back(kernel: str, launch) -> bool:
+    """Runs launch() (a launch of the Gluon kernel `kernel`) and says whether it ran. If it failed before the kernel
+    ever ran (its compilation on a Triton whose Gluon changed, say), the reason is logged once and the kernel is off
+    for the process: the caller runs its Triton counterpart. Once the kernel has run, its errors propagate."""
+    if kernel in _broken:
+        return False
+    if kernel in _working:
+        launch()
+        return True
+    try:
+        launch()
+    except Exception as error:  # noqa: BLE001 - any failure of a first launch: the Triton kernels still work
+        _broken.add(kernel)
+        log_once(f"lorafuse: the Gluon kernel {kernel} failed on Triton {triton.__version__} "
+                 f"({type(error).__name__}: {str(error)[:200]}); its Triton counterpart runs instead")
+        return False
+    _working.add(kernel)
+    return True

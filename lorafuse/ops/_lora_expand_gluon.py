@@ -2,41 +2,44 @@
 tiles in shared memory, read there by both products. Its reference is the autograd of lora_expand_reference.
 
 Covers the identity activation without dbias (LoRA's usual backward) with float32 adapters on bf16 dy (PEFT's
-default), as bf16 pieces: three products for each of ds and dB, summed as _bf16_pieces.dot_pieces does.
+default), as bf16 pieces: three products for each of ds and dB, in the Triton kernel's order (ds's smallest first
+into a fresh accumulator joined with one rounded add, as _bf16_pieces.dot_pieces; dB's per tile, largest first).
 
 Why: with six small products per [128, 64] tile (N = the rank), the pass is bound by its MMAs and by their reads of
 the tile, not by dy's bytes: at r = 16 the Triton kernel runs at 2.2-2.8x dy's read floor, bf16 adapters (two
-products a tile) 25 % faster, and ranks 32 and 64 slower in step with their products. Here TMA streams dy through a ring of shared-memory tiles, and each tile is read into registers
-once per orientation for all three of its products (rank <= 32; rank 64 runs out of registers that way and keeps A
-in shared memory). H200, 8192 x 14336, r = 16, atomics in both: 126 us (Triton) -> 102 us
-(benchmarks/probe_expand_backward.py). Adapters in dy's dtype keep the Triton kernel, as fast or faster there.
+products a tile) 25 % faster, and ranks 32 and 64 slower in step with their products. Here TMA streams dy through a
+ring of shared-memory tiles, and each tile is read into registers once per orientation for all three of its
+products (rank <= 32; rank 64 runs out of registers that way and keeps A in shared memory). H200, 8192 x 14336,
+r = 16, atomics in both: 126 us (Triton) -> 102 us (benchmarks/probe_expand_backward.py). Adapters in dy's dtype
+keep the Triton kernel, as fast or faster there.
 """
 import torch
 import triton
 
 from ._bf16_pieces import PIECES
-from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, runs_gluon_hopper, tma,
-                     warpgroup_mma, warpgroup_mma_wait)
+from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
+                     runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import atomic_partial_sums
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
 
 
 def _config(r):
-    # (A in registers, ring buffers, programs per SM that the grid is sized for; at most two fit), swept on an H200
-    # at 8192 x 4096 and 8192 x 14336
+    # (A in registers, ring buffers, programs per SM that the grid is sized for: more column splits; at most two fit
+    # an SM at once), swept on an H200 at 8192 x 4096 and 8192 x 14336
     return (True, 3, 3) if r <= 32 else (False, 4, 2)
 
 
 def gluon_expand_backward_ready(dy, B, activation_id, need_dbias, pieces) -> bool:
     """Whether lora_expand_backward takes the Gluon kernel: Hopper, no activation or dbias, float32 adapters as bf16
-    pieces on bf16 dy, TMA's 16-byte rows (rank a multiple of 8)."""
+    pieces on bf16 dy, rank 8-64 in steps of 8 and N a multiple of 8 (TMA's 16-byte rows), dy contiguous and 16-byte
+    aligned, at least one 128-row block."""
     # dy: [M, N], B: [N, r]
     if not runs_gluon_hopper(dy):
         return False
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
     return (activation_id == 0 and not need_dbias and pieces and r % 8 == 0 and r <= 64 and N % 8 == 0
-            and dy.is_contiguous() and M >= BLOCK_M)
+            and dy.is_contiguous() and dy.data_ptr() % 16 == 0 and M >= BLOCK_M)
 
 
 if gluon is not None:
@@ -50,7 +53,9 @@ if gluon is not None:
         col = n0 + chunk * BN
         mbarrier.expect(bar, dy_desc.block_type.nbytes + P * b_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(dy_desc, [off_m, col], bar, dy_ring.index(index), pred)
-        for p in gl.static_range(P):  # piece p of B is rows p * N ... of its [P * N, r] view
+        # Piece p of B is rows p * N ... of its [P * N, r] view. A last partial chunk's box runs on into the next
+        # piece's rows: harmless, as dy's box reads zeros past column N and multiplies them.
+        for p in gl.static_range(P):
             tma.async_copy_global_to_shared(b_desc, [p * N + col, 0], bar, b_ring.index(index * P + p), pred)
 
     @gluon.jit
@@ -137,12 +142,13 @@ if gluon is not None:
 
 
 def expand_backward_gluon(dy, s, b_pieces, scale, sms):
-    """(ds, dB) of lora_expand_backward through _expand_bwd (gluon_expand_backward_ready holds)."""
+    """(ds, dB) of lora_expand_backward through _expand_bwd (gluon_expand_backward_ready holds); None if the kernel
+    failed to run the first time (_gluon.launch_or_fall_back)."""
     # dy: [M, N] bf16 contiguous, s: [M, r] fp32, b_pieces: [3, N, r] bf16 (B's pieces)
     M, N = dy.shape
     r = b_pieces.shape[-1]
-    a_in_registers, buffers, per_sm = _config(r)
-    programs = per_sm * sms
+    a_in_registers, buffers, grid_per_sm = _config(r)
+    programs = grid_per_sm * sms
     P = PIECES
     R = max(16, triton.next_power_of_2(r))
     dtype = gl.bfloat16
@@ -158,9 +164,10 @@ def expand_backward_gluon(dy, s, b_pieces, scale, sms):
     atomic = atomic_partial_sums(row_blocks)
     db_part = (torch.zeros(N, r, device=dy.device, dtype=torch.float32) if atomic
                else torch.empty(row_blocks, N, r, device=dy.device, dtype=torch.float32))
-    _expand_bwd[(row_blocks, splits)](dy_desc, b_desc, s.contiguous(), ds_part, db_part, M, N, r, scale,
-                                      cols_per_split, P=P, R=R, BUFFERS=buffers, ATOMIC_DB=atomic,
-                                      A_IN_REGISTERS=a_in_registers, num_warps=WARPS)
+    if not launch_or_fall_back("_expand_bwd", lambda: _expand_bwd[(row_blocks, splits)](
+            dy_desc, b_desc, s.contiguous(), ds_part, db_part, M, N, r, scale, cols_per_split, P=P, R=R,
+            BUFFERS=buffers, ATOMIC_DB=atomic, A_IN_REGISTERS=a_in_registers, num_warps=WARPS)):
+        return None
     ds = ds_part.sum(0) if splits > 1 else ds_part[0]
     db = db_part if atomic else db_part.sum(0) if row_blocks > 1 else db_part[0]
     return ds, db

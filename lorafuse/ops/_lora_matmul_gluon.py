@@ -19,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, runs_gluon_hopper, tma,
-                     warpgroup_mma, warpgroup_mma_wait)
+from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
+                     runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import lora_in_fp32
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
-NUM_BUFFERS, GROUP_M, WARPS = 3, 8, 8  # 3 x 48 KB of operand ring + 64 KB for C's store: 213 KB of shared memory
+NUM_BUFFERS, GROUP_M, WARPS = 3, 8, 8  # 3 x 48 KiB of operand ring + 64 KiB for C's store: 208 KiB of shared memory
 
 
 def rank_r_width(r: int, pieces: bool, bias_columns: int) -> int:
@@ -32,14 +32,16 @@ def rank_r_width(r: int, pieces: bool, bias_columns: int) -> int:
     return triton.cdiv((3 * r if pieces else r) + bias_columns, 8) * 8
 
 
-def gluon_gemm_ready(a, right, pieces: bool) -> bool:
+def gluon_gemm_ready(a, b, right, pieces: bool) -> bool:
     """Whether lora_matmul's TMA route can take the Gluon GEMM: Hopper (warpgroup MMAs: compute capability 9.x),
-    16-bit A and B (the caller checked TMA's alignment), and the rank-r product as 16-bit products: 16-bit adapter
-    math (adapters in A's dtype, or rounded to it: LORAFUSE_ADAPTER_MATH=fast) or bf16 pieces of float32 ones."""
-    # a: [M, K], right: [r, N]
+    A and B in one 16-bit dtype (the caller checked TMA's alignment), and the rank-r product as 16-bit products:
+    16-bit adapter math (adapters in A's dtype, or rounded to it: LORAFUSE_ADAPTER_MATH=fast) or bf16 pieces of
+    float32 ones."""
+    # a: [M, K], b: [K, N], right: [r, N]
     if not runs_gluon_hopper(a):
         return False
-    return a.dtype in (torch.bfloat16, torch.float16) and (pieces or not lora_in_fp32(a.dtype, right.dtype))
+    return (a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
+            and (pieces or not lora_in_fp32(a.dtype, right.dtype)))
 
 
 def rank_r_operands_reference(low, right, scale, bias, dtype, pieces):
@@ -52,8 +54,9 @@ def rank_r_operands_reference(low, right, scale, bias, dtype, pieces):
         left, right = [l0, l1, l0], [r0, r0, r1]
     else:
         left, right = [low.to(dtype)], [right.to(dtype)]
-    if bias is not None:
-        bias_parts = [bias.to(dtype)] if bias.dtype == dtype else list(_pieces(bias.float())[:2])
+    if bias is not None:  # a bias of another dtype as two pieces in `dtype`
+        hi = bias.to(dtype)
+        bias_parts = [hi] if bias.dtype == dtype else [hi, (bias.float() - hi.float()).to(dtype)]
         left += [torch.ones(low.shape[0], len(bias_parts), device=low.device, dtype=dtype)]
         right += [part[None, :] for part in bias_parts]
     return torch.cat(left, 1), torch.cat(right, 0)
@@ -83,8 +86,8 @@ def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, M, N, rank, scale, 
     bias_col = cols - term_cols
     if tl.program_id(0) < row_blocks:
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        v = scale * tl.load(low_ptr + rows[:, None] * rank + j[None, :], mask=(rows[:, None] < M) & in_term[None, :],
-                            other=0.0)
+        v = scale * tl.load(low_ptr + rows[:, None].to(tl.int64) * rank + j[None, :],
+                            mask=(rows[:, None] < M) & in_term[None, :], other=0.0)
         if PIECES:
             hi = v.to(tl.bfloat16)
             mid = (v - hi.to(tl.float32)).to(tl.bfloat16)
@@ -138,7 +141,7 @@ if gluon is not None:
         # output tile -> (row block, column block), GROUP row blocks sweeping the columns together (B shared in L2)
         per_group = GROUP * blocks_n
         first_m = tile // per_group * GROUP
-        group_m = gl.minimum(blocks_m - first_m, GROUP)
+        group_m = gl.maximum(gl.minimum(blocks_m - first_m, GROUP), 1)  # >= 1 past the last tile (a predicated load)
         return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
 
     @gluon.jit
@@ -244,7 +247,8 @@ if gluon is not None:
 
 
 def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
-    """C = a @ b + scale * (low @ right) + bias through _gemm_rank_r (gluon_gemm_ready holds)."""
+    """C = a @ b + scale * (low @ right) + bias through _gemm_rank_r (gluon_gemm_ready holds); None if the kernel
+    failed to run the first time (_gluon.launch_or_fall_back)."""
     # a: [M, K], b: [K, N] (W^T view: K-major, or contiguous), low: [M, r] fp32, right: [r, N] view, bias: [N] or None
     M, K = a.shape
     N = b.shape[1]
@@ -263,6 +267,7 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
                    TensorDescriptor.from_tensor(c, [BLOCK_M, BLOCK_N],
                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)))
     programs = min(sms, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N))
-    _gemm_rank_r[(programs,)](*descriptors, M, N, K, RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K),
-                              B_K_MAJOR=b_k_major, NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS)
-    return c
+    ran = launch_or_fall_back("_gemm_rank_r", lambda: _gemm_rank_r[(programs,)](
+        *descriptors, M, N, K, RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K), B_K_MAJOR=b_k_major,
+        NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
+    return c if ran else None

@@ -165,8 +165,9 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     fp32 = lora_in_fp32(dy.dtype, B.dtype)
     on_pieces = activation_id == 0 and uses_bf16_pieces(dy.dtype, B.dtype)
     if config is None and gluon_expand_backward_ready(dy, B, activation_id, need_dbias, on_pieces):
-        ds, db = expand_backward_gluon(dy, s, bf16_pieces(B), scale, sm_count(dy.device))
-        return dy, ds, db, None
+        grads = expand_backward_gluon(dy, s, bf16_pieces(B), scale, sm_count(dy.device))
+        if grads is not None:
+            return dy, *grads, None
     config = config or _expand_backward_config(M, N, fp32 and not on_pieces, sm_count(dy.device))
     block_m, block_n, warps, stages, programs = config
     row_blocks = triton.cdiv(M, block_m)

@@ -67,8 +67,9 @@ def _resolve_gemm(gemm, x, weight, lora_A, act, decoding, launch_bound=False):
     # unless that K-loop carries fp32 adapter math. Training sizes on Hopper take the persistent Gluon GEMM with the
     # rank-r term as one more K-step (1.01-1.05x cuBLAS's GEMM alone at 8192 rows, r = 16, no activation), which saves
     # the cuBLAS route's pre-write of y and its read-back, where it was measured so: 16-bit adapter math or bf16
-    # pieces (tf32x3 tiles spill), rank <= 64 (128 overflows its shared memory) and no activation (an fp32 Z to store
-    # costs it a stage: 1.21x slower than cuBLAS's route). Elsewhere cuBLAS plus the fused epilogue kernels.
+    # pieces (tf32x3 tiles spill), rank <= 64 (measured up to there; 128 overflowed the shared memory of the Triton
+    # TMA kernel, which an activation still takes) and no activation (an fp32 Z to store costs that kernel a stage:
+    # 1.21x slower than cuBLAS's route). Elsewhere cuBLAS plus the fused epilogue kernels.
     M = x.shape[0]
     if decoding:
         return "decode"

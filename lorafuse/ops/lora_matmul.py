@@ -257,15 +257,17 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
     r = right.shape[0]
     fp32 = lora_in_fp32(a.dtype, right.dtype)
     on_pieces = uses_bf16_pieces(a.dtype, right.dtype)
+    sw = shrink_weight
+    if tma and sw is None and activation_id == 0 and not store_z and config is None and tma_ready(a, b) and \
+            gluon_gemm_ready(a, b, right, on_pieces):
+        c = lora_matmul_gluon(a, b, low, right, scale, bias, on_pieces, sm_count(a.device))
+        if c is not None:
+            return c, None
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     # The pre-activation for act'(z) in backward: fp32 when the adapter path is fp32, as in PEFT.
     z = torch.empty(M, N, device=a.device, dtype=torch.float32 if fp32 else a.dtype) if store_z else None
     block_m, block_n, block_k, group_m, warps, stages = config or _config(M, N, K, a.dtype)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    sw = shrink_weight
-    if tma and sw is None and tma_ready(a, b) and activation_id == 0 and not store_z and config is None and \
-            gluon_gemm_ready(a, right, on_pieces):
-        return lora_matmul_gluon(a, b, low, right, scale, bias, on_pieces, sm_count(a.device)), None
     if tma and sw is None and tma_ready(a, b):
         b_k_major = b.stride(0) == 1  # b is W^T: W [N, K] row-major
         b_host = b.t() if b_k_major else b

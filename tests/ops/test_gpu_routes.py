@@ -3,8 +3,10 @@ for real.
 
 - `_launch_bound` itself: an eager call of a few rows runs PyTorch's launches (the reference), the same call inside a
   CUDA-graph capture runs lora_decode's kernels, and the replayed graph gives lora_decode's result.
-- dx through the persistent TMA GEMM at its default 128x256 tiles (Hopper): "auto" takes it at training sizes, with
-  odd ranks, float32 adapters (bf16 pieces) and bf16 ones.
+- dx through the fused TMA GEMM at its default 128x256 tiles (Hopper: the Gluon kernel): "auto" takes it at training
+  sizes, with odd ranks, float32 adapters (bf16 pieces) and bf16 ones.
+- the Triton TMA kernel at those tiles, with the Gluon one turned off (what runs with an activation or a stored Z, on
+  Blackwell, or on a Triton whose Gluon is not the tested one).
 - lora_matmul's Gluon GEMM (Hopper) against float64: odd edges, ranks 1-64, bias in x's dtype or float32, x W^T and
   g W, one wave of tiles or several tiles per program.
 - lora_expand_backward's Gluon kernel (Hopper, float32 adapters as bf16 pieces) against float64: odd edges, ranks
@@ -82,6 +84,27 @@ def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, monkeypa
                         lambda *a, **kw: tma_calls.append(kw.get("tma")) or real(*a, **kw))
     check((m, k), n, r, torch.bfloat16, "auto", adapter_dtype=adapter_dtype)
     assert tma_calls == [True, True]  # forward y and backward dx
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="TMA needs compute capability >= 9")
+@pytest.mark.parametrize("r", [5, 16])
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32_adapters", "bf16_adapters"])
+@pytest.mark.parametrize("forward", [True, False], ids=["x_WT", "g_W"])
+def test_triton_tma_gemm_at_its_default_tiles(r, adapter_dtype, forward, monkeypatch):
+    monkeypatch.setattr(lora_matmul_module, "gluon_gemm_ready", lambda *args: False)
+    m, k, n = 4096, 520, 8192  # K not a multiple of the 64-wide K tile
+    a = torch.randn(m, k, dtype=torch.bfloat16)
+    weight = (torch.randn(n, k) / k**0.5).bfloat16() if forward else (torch.randn(k, n) / k**0.5).bfloat16()
+    b = weight.t() if forward else weight
+    low = torch.randn(m, r)
+    right = ((torch.randn(n, r) / r**0.5).to(adapter_dtype).t() if forward
+             else (torch.randn(r, n) / r**0.5).to(adapter_dtype))
+    bias = torch.randn(n).bfloat16()
+    assert tma_ready(a, b)
+    c, z = lora_matmul(a, b, low, right, SCALE, bias, tma=True)
+    assert z is None
+    exact = lora_matmul_reference(a, b, low, right, SCALE, bias, dtype=torch.float64)
+    assert_close(c, exact, torch.bfloat16, lora_matmul_reference(a, b, low, right, SCALE, bias), "C")
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")

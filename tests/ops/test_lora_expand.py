@@ -1,5 +1,7 @@
 """lora_expand: y = act(base + scale * s @ B^T + bias) with the pre-activation z, and
 lora_expand_backward: (g, ds, dB, dbias), against lora_expand_reference and its autograd."""
+import importlib
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from lorafuse.ops.lora_expand import lora_expand, lora_expand_backward, lora_exp
 from tests.ops._helpers import DTYPES, assert_all_close, assert_close, cast, dtype_id, forward_backward, poison
 
 SCALE = 1.7
+lora_expand_module = importlib.import_module("lorafuse.ops.lora_expand")
 # (M, N, r): rows 1, 7, 113, 1023 (narrow); N over one and several 128-column blocks (300),
 # not powers of two; ranks 1, 8, 64.
 CASES = [(1, 80, 8), (7, 36, 1), (113, 300, 64), (1023, 40, 8)]
@@ -177,9 +180,18 @@ def test_backward_adds_dB_with_atomics_unless_deterministic(deterministic, monke
     # Both give the exact gradient.
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     assert atomic_partial_sums(5) is not deterministic and not atomic_partial_sums(1)
+    launched = []
+    kernel = lora_expand_module._expand_bwd
+
+    class Spy:  # records how the kernel was launched, then launches it
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs["ATOMIC_DB"]) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(lora_expand_module, "_expand_bwd", Spy())
     m, n, r = 300, 600, 8  # 5 row blocks of 64
     inputs = random_inputs(m, n, r, torch.float32)
     dy = torch.randn(m, n)
     _, ds, dB, _ = lora_expand_backward(dy, None, inputs["s"], inputs["B"], SCALE)
+    assert launched == [not deterministic]
     exact = grads_at(torch.zeros(m, n, dtype=torch.float64), dy, inputs["s"], inputs["B"], "identity")
     assert_all_close({"s": ds, "B": dB}, {"s": exact["s"], "B": exact["B"]}, torch.float32)

@@ -4,6 +4,8 @@ interpreter does not run) is tested in test_gpu_routes.py."""
 import pytest
 import torch
 
+from lorafuse.ops import _gluon
+
 from lorafuse.ops._lora_matmul_gluon import rank_r_operands, rank_r_operands_reference, rank_r_width
 
 SCALE = 1.3
@@ -48,3 +50,39 @@ def test_rank_r_operands_multiply_to_the_rank_r_term(pieces, bias_dtype):
     exact = SCALE * (low.double() @ right.double()) + (0 if bias is None else bias.double())
     err = ((left.double() @ r_op.double() - exact).norm() / exact.norm()).item()
     assert err < (3e-5 if pieces else 4e-3)
+
+
+def test_float16_operands_with_a_float32_bias():
+    # 16-bit adapter math on float16 activations: a float32 bias goes as two float16 pieces, L and R stay float16.
+    low, right, bias = rank_r_inputs(70, 136, 8, torch.float16, torch.float32)
+    left, r_op = rank_r_operands(low, right, SCALE, bias, torch.float16, False, True)
+    ref_left, ref_right = rank_r_operands_reference(low, right, SCALE, bias, torch.float16, False)
+    assert left.dtype == r_op.dtype == ref_left.dtype == ref_right.dtype == torch.float16
+    used = ref_left.shape[1]
+    assert used == 8 + 2
+    torch.testing.assert_close(left[:, :used].float(), ref_left.float(), rtol=2**-10, atol=0)
+    torch.testing.assert_close(r_op.t()[:used].float(), ref_right.float(), rtol=2**-10, atol=0)
+    exact = SCALE * (low.double() @ right.double()) + bias.double()
+    err = ((left.double() @ r_op.t().double() - exact).norm() / exact.norm()).item()
+    assert err < 2e-3  # float16 rounding of scale * low and of lora_B's values: 2^-11 each
+
+
+def test_a_gluon_kernel_that_fails_to_launch_is_turned_off(monkeypatch, caplog):
+    # A Gluon kernel whose first launch fails (an API change in an untested Triton) is logged once and turned off, so
+    # its caller runs the Triton kernel; one that has run lets its later errors through.
+    monkeypatch.setattr(_gluon, "_working", set())
+    monkeypatch.setattr(_gluon, "_broken", set())
+    launches = []
+
+    def failing():
+        launches.append("failing")
+        raise RuntimeError("no such Gluon op")
+
+    with caplog.at_level("WARNING", logger="lorafuse"):
+        assert _gluon.launch_or_fall_back("kernel_a", failing) is False
+        assert _gluon.launch_or_fall_back("kernel_a", failing) is False  # not launched again
+    assert launches == ["failing"]
+    assert "kernel_a" in caplog.text and "no such Gluon op" in caplog.text
+    assert _gluon.launch_or_fall_back("kernel_b", lambda: launches.append("ok")) is True
+    with pytest.raises(RuntimeError):
+        _gluon.launch_or_fall_back("kernel_b", failing)
