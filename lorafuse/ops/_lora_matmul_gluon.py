@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bf16_pieces import bf16_pieces_reference, split_bf16
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import lora_in_fp32
@@ -50,7 +51,7 @@ def rank_r_operands_reference(low, right, scale, bias, dtype, pieces):
     # low: [M, r] fp32, right: [r, N], bias: [N] or None
     low = low.float() * scale
     if pieces:
-        (l0, l1, _), (r0, r1, _) = _pieces(low), _pieces(right.float())
+        (l0, l1, _), (r0, r1, _) = bf16_pieces_reference(low), bf16_pieces_reference(right)
         left, right = [l0, l1, l0], [r0, r0, r1]
     else:
         left, right = [low.to(dtype)], [right.to(dtype)]
@@ -60,13 +61,6 @@ def rank_r_operands_reference(low, right, scale, bias, dtype, pieces):
         left += [torch.ones(low.shape[0], len(bias_parts), device=low.device, dtype=dtype)]
         right += [part[None, :] for part in bias_parts]
     return torch.cat(left, 1), torch.cat(right, 0)
-
-
-def _pieces(t):
-    # t: fp32 -> (hi, mid, lo) bf16, hi + mid + lo == t
-    hi = t.to(torch.bfloat16)
-    mid = (t - hi.float()).to(torch.bfloat16)
-    return hi, mid, (t - hi.float() - mid.float()).to(torch.bfloat16)
 
 
 @triton.jit
@@ -89,8 +83,7 @@ def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, M, N, rank, scale, 
         v = scale * tl.load(low_ptr + rows[:, None].to(tl.int64) * rank + j[None, :],
                             mask=(rows[:, None] < M) & in_term[None, :], other=0.0)
         if PIECES:
-            hi = v.to(tl.bfloat16)
-            mid = (v - hi.to(tl.float32)).to(tl.bfloat16)
+            hi, mid, _ = split_bf16(v)
             v = tl.where(piece[None, :] == 1, mid, hi)  # l0 | l1 | l0
         ones = (bias_col >= 0) & (bias_col < BIAS_COLUMNS)
         v = tl.where(ones[None, :], 1.0, v.to(tl.float32))
@@ -102,8 +95,7 @@ def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, M, N, rank, scale, 
         v = tl.load(right_ptr + j[None, :] * stride_rr + ns[:, None] * stride_rn, mask=n_ok[:, None] & in_term[None, :],
                     other=0.0).to(tl.float32)
         if PIECES:
-            hi = v.to(tl.bfloat16)
-            mid = (v - hi.to(tl.float32)).to(tl.bfloat16)
+            hi, mid, _ = split_bf16(v)
             v = tl.where(piece[None, :] == 2, mid, hi).to(tl.float32)  # r0; r0; r1
         if BIAS_COLUMNS > 0:
             b = tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)

@@ -164,8 +164,9 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
     fp32 = lora_in_fp32(dy.dtype, B.dtype)
     on_pieces = activation_id == 0 and uses_bf16_pieces(dy.dtype, B.dtype)
+    b_operand = bf16_pieces(B) if on_pieces else B.contiguous()
     if config is None and gluon_expand_backward_ready(dy, B, activation_id, need_dbias, on_pieces):
-        grads = expand_backward_gluon(dy, s, bf16_pieces(B), scale, sm_count(dy.device))
+        grads = expand_backward_gluon(dy, s, b_operand, scale, sm_count(dy.device))
         if grads is not None:
             return dy, *grads, None
     config = config or _expand_backward_config(M, N, fp32 and not on_pieces, sm_count(dy.device))
@@ -180,7 +181,7 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
                else torch.empty(row_blocks, r, N, device=dy.device, dtype=torch.float32))
     dbias_part = torch.empty(row_blocks, N, device=dy.device, dtype=torch.float32) if need_dbias else None
     _expand_bwd[(row_blocks, splits)](
-        dy, z, s, bf16_pieces(B) if on_pieces else B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale,
+        dy, z, s, b_operand, g, ds_part, db_part, dbias_part, M, N, r, scale,
         cols_per_split, ACT=activation_id, STORE_G=store_g, STORE_DBIAS=need_dbias, LORA_FP32=fp32,
         ON_PIECES=on_pieces, ATOMIC_DB=atomic, R=padded_rank(r),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dy.dtype, B.dtype),

@@ -86,25 +86,35 @@ def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, monkeypa
     assert tma_calls == [True, True]  # forward y and backward dx
 
 
+def tma_gemm_operands(m, k, n, r, dtype, adapter_dtype, bias_dtype, forward):
+    """(a, b, low, right, bias) for lora_matmul: forward b is W^T (a K-major view) and right lora_B^T, dx's b is W
+    itself and right lora_A; bias_dtype None, "x" (x's dtype) or a dtype."""
+    a = torch.randn(m, k, dtype=dtype)
+    weight = (torch.randn(n, k) / k**0.5).to(dtype) if forward else (torch.randn(k, n) / k**0.5).to(dtype)
+    right = ((torch.randn(n, r) / r**0.5).to(adapter_dtype).t() if forward
+             else (torch.randn(r, n) / r**0.5).to(adapter_dtype))
+    bias = None if bias_dtype is None else torch.randn(n).to(dtype if bias_dtype == "x" else bias_dtype)
+    return a, weight.t() if forward else weight, torch.randn(m, r), right, bias
+
+
+def check_tma_gemm(operands, dtype):
+    """lora_matmul's TMA route on the operands against float64, bounded by PyTorch's own result in x's dtype."""
+    a, b, low, right, bias = operands
+    assert tma_ready(a, b)
+    c, z = lora_matmul(a, b, low, right, SCALE, bias, tma=True)
+    assert z is None
+    exact = lora_matmul_reference(a, b, low, right, SCALE, bias, dtype=torch.float64)
+    assert_close(c, exact, dtype, lora_matmul_reference(a, b, low, right, SCALE, bias), "C")
+
+
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="TMA needs compute capability >= 9")
 @pytest.mark.parametrize("r", [5, 16])
 @pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32_adapters", "bf16_adapters"])
 @pytest.mark.parametrize("forward", [True, False], ids=["x_WT", "g_W"])
 def test_triton_tma_gemm_at_its_default_tiles(r, adapter_dtype, forward, monkeypatch):
     monkeypatch.setattr(lora_matmul_module, "gluon_gemm_ready", lambda *args: False)
-    m, k, n = 4096, 520, 8192  # K not a multiple of the 64-wide K tile
-    a = torch.randn(m, k, dtype=torch.bfloat16)
-    weight = (torch.randn(n, k) / k**0.5).bfloat16() if forward else (torch.randn(k, n) / k**0.5).bfloat16()
-    b = weight.t() if forward else weight
-    low = torch.randn(m, r)
-    right = ((torch.randn(n, r) / r**0.5).to(adapter_dtype).t() if forward
-             else (torch.randn(r, n) / r**0.5).to(adapter_dtype))
-    bias = torch.randn(n).bfloat16()
-    assert tma_ready(a, b)
-    c, z = lora_matmul(a, b, low, right, SCALE, bias, tma=True)
-    assert z is None
-    exact = lora_matmul_reference(a, b, low, right, SCALE, bias, dtype=torch.float64)
-    assert_close(c, exact, torch.bfloat16, lora_matmul_reference(a, b, low, right, SCALE, bias), "C")
+    # K not a multiple of the 64-wide K tile
+    check_tma_gemm(tma_gemm_operands(4096, 520, 8192, r, torch.bfloat16, adapter_dtype, "x", forward), torch.bfloat16)
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
@@ -118,26 +128,15 @@ def test_triton_tma_gemm_at_its_default_tiles(r, adapter_dtype, forward, monkeyp
 @pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32], ids=["no_bias", "bias", "fp32_bias"])
 @pytest.mark.parametrize("forward", [True, False], ids=["x_WT", "g_W"])
 def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, math, bias_dtype, forward, monkeypatch):
-    # Odd edges: rows, K and columns not multiples of the 128 x 256 x 64 tiles; forward b is W^T (a K-major view),
-    # dx's b is W itself. "many_tiles": each program walks several tiles, and the next tile's loads overlap. "fast":
-    # float32 adapters rounded to bf16 (LORAFUSE_ADAPTER_MATH=fast), held to PyTorch's bf16 computation like bf16 ones.
+    # Odd edges: rows, K and columns not multiples of the 128 x 256 x 64 tiles. "many_tiles": each program walks
+    # several tiles, and the next tile's loads overlap. "fast": float32 adapters rounded to bf16
+    # (LORAFUSE_ADAPTER_MATH=fast), held to PyTorch's bf16 computation like bf16 ones.
     monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
     calls = []
     real = lora_matmul_module.lora_matmul_gluon
     monkeypatch.setattr(lora_matmul_module, "lora_matmul_gluon", lambda *a: calls.append(1) or real(*a))
-    a = torch.randn(m, k, dtype=dtype)
-    weight = (torch.randn(n, k) / k**0.5).to(dtype) if forward else (torch.randn(k, n) / k**0.5).to(dtype)
-    b = weight.t() if forward else weight
-    low = torch.randn(m, r)
-    right = ((torch.randn(n, r) / r**0.5).to(adapter_dtype).t() if forward
-             else (torch.randn(r, n) / r**0.5).to(adapter_dtype))
-    bias = None if bias_dtype is None else torch.randn(n).to(dtype if bias_dtype == "x" else bias_dtype)
-    assert tma_ready(a, b)
-    c, z = lora_matmul(a, b, low, right, SCALE, bias, tma=True)
-    assert calls == [1] and z is None
-    exact = lora_matmul_reference(a, b, low, right, SCALE, bias, dtype=torch.float64)
-    plain = lora_matmul_reference(a, b, low, right, SCALE, bias)  # in x's dtype
-    assert_close(c, exact, dtype, plain, "C")
+    check_tma_gemm(tma_gemm_operands(m, k, n, r, dtype, adapter_dtype, bias_dtype, forward), dtype)
+    assert calls == [1]
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel runs on compute capability 9")
