@@ -129,6 +129,14 @@ def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major):
 
 if gluon is not None:
     @gluon.jit
+    def _ready_barriers(NUM_BUFFERS: gl.constexpr):
+        # one mbarrier per ring slot: TMA's loads of the slot arrive on it
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUFFERS):
+            mbarrier.init(ready.index(i), count=1)
+        return ready
+
+    @gluon.jit
     def _tile_coords(tile, blocks_m, blocks_n, GROUP: gl.constexpr):
         # output tile -> (row block, column block), GROUP row blocks sweeping the columns together (B shared in L2)
         per_group = GROUP * blocks_n
@@ -191,9 +199,7 @@ if gluon is not None:
         a_ring = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
         b_ring = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUFFERS):
-            mbarrier.init(ready.index(i), count=1)
+        ready = _ready_barriers(NUM_BUFFERS)
 
         blocks_m = gl.cdiv(M, BLOCK_M)
         blocks_n = gl.cdiv(N, BLOCK_N)

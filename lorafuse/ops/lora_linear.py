@@ -6,7 +6,9 @@ TRITON_INTERPRET=1), `lora_linear_reference` otherwise, with the reason logged o
 Two back-ends for the frozen-weight GEMMs (x W^T forward, g W backward), chosen by the
 LORAFUSE_GEMM environment variable or the `gemm` argument:
   "triton"  the GEMM is `lora_matmul` (TMA tiles on Hopper), with the rank-r term, bias and
-            activation in its epilogue: no pass over y, nor over dx without dropout;
+            activation in its epilogue: no pass over y, nor over dx without dropout; on Hopper without
+            dropout or activation, up to 4096 output columns, the forward's shrink runs inside that GEMM
+            too (_shrink_matmul_gluon.py);
   "cublas"  cuBLAS, accumulating into a buffer that the adapter kernels pre-wrote
             (addmm with beta=1): one extra write of y and of dx;
   "auto"    the one measured faster for the shape and device (benchmarks/bench_lora_layer.py).
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
 from ._bf16_pieces import uses_bf16_pieces
-from ._tiles import adapter_math, lora_in_fp32, padded_rank
+from ._shrink_matmul_gluon import SHRINK_IN_GEMM_UP_TO_N, shrink_matmul_gluon, shrink_matmul_ready
+from ._tiles import adapter_math, lora_in_fp32, padded_rank, sm_count
 from .activation import ACTIVATIONS, activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
 from .lora_decode import DECODE_MAX_ROWS, lora_decode
@@ -92,6 +95,11 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
         y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, seed, threshold, drop_scale,
                            shrink_weight=lora_A, mask_input=dropout_p > 0.0, store_z=store_z)
         return y, s, z
+    if (gemm == "triton" and dropout_p == 0.0 and act == 0 and weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N
+            and tma_ready(x, weight.t()) and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)):
+        fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device))
+        if fused is not None:  # the shrink inside the GEMM's K-loop (Hopper, _shrink_matmul_gluon.py)
+            return (*fused, None)
     s = lora_shrink(x, lora_A, dropout_p, seed)
     if gemm == "triton":
         y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, store_z=store_z, tma=True)

@@ -1,0 +1,106 @@
+"""The forward GEMM with the shrink inside its K-loop (_shrink_matmul_gluon.py, Hopper, Gluon).
+
+CPU: where contributors_for puts the shrink slices (each K-step shrunk once, every slice between START and the wait
+for s, the contributors within the window of programs).
+GPU (LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0, compute capability 9): the kernel against float64 on odd edges,
+ranks 8-64, float32 adapters (bf16 pieces, or LORAFUSE_ADAPTER_MATH=fast), bf16 and fp16 ones, biases in x's dtype or
+float32, one wave of tiles or several per program; the shapes it declines; the layer's route to it.
+"""
+import importlib
+
+import pytest
+import torch
+
+from lorafuse.ops._lora_matmul_gluon import GROUP_M
+from lorafuse.ops._shrink_matmul_gluon import (LEAD, START, WINDOW, _placement, contributors_for,
+                                               shrink_matmul_gluon, shrink_matmul_ready)
+from lorafuse.ops._tiles import lora_in_fp32, sm_count
+from lorafuse.ops.lora_matmul import lora_matmul_reference, tma_ready
+from tests.ops._helpers import assert_close
+from tests.ops.test_lora_linear import check
+
+ON_HOPPER = (torch.get_default_device().type == "cuda" and torch.cuda.is_available()
+             and torch.cuda.get_device_capability()[0] == 9)
+hopper = pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel: LORAFUSE_TEST_DEVICE=cuda on an H100/H200")
+lora_linear_module = importlib.import_module("lorafuse.ops.lora_linear")
+SCALE = 0.7
+
+
+@pytest.mark.parametrize("k_steps", [4, 7, 10, 16, 32, 63, 64, 224])
+@pytest.mark.parametrize("blocks_n", [1, 4, 16, 56])
+@pytest.mark.parametrize("programs", [8, 114, 132])
+def test_contributors_shrink_every_k_step_once_between_start_and_the_wait(k_steps, blocks_n, programs):
+    c = contributors_for(blocks_n, k_steps, programs)
+    assert c <= blocks_n and (c - 1) * GROUP_M < WINDOW * programs
+    if programs >= 114 and k_steps >= 10 and blocks_n >= 16:  # the layer bench's shapes, and K of 640 up
+        assert c > 0
+    shrunk = []
+    for j in range(c):
+        lo, hi = j * k_steps // c, (j + 1) * k_steps // c
+        rot, first = _placement(lo, hi, k_steps)
+        assert START <= first and first + hi - lo <= k_steps - LEAD
+        shrunk += [(step + rot) % k_steps for step in range(first, first + hi - lo)]  # the loop reads step + rot
+    assert sorted(shrunk) == (list(range(k_steps)) if c else [])
+
+
+def operands(m, k, n, r, dtype, adapter_dtype, bias_dtype):
+    x = torch.randn(m, k, dtype=dtype)
+    weight = (torch.randn(n, k) / k**0.5).to(dtype)
+    lora_A, lora_B = (torch.randn(r, k) / k**0.5).to(adapter_dtype), (torch.randn(n, r) / r**0.5).to(adapter_dtype)
+    bias = None if bias_dtype is None else torch.randn(n).to(dtype if bias_dtype == "x" else bias_dtype)
+    return x, weight, lora_A, lora_B, bias
+
+
+@hopper
+@pytest.mark.parametrize("m, k, n", [(300, 4096, 1000), (1000, 2056, 4000), (4096, 640, 8192)],
+                         ids=["one_wave", "odd_k", "many_tiles"])
+@pytest.mark.parametrize("r, dtype, adapter_dtype, math", [(8, torch.bfloat16, torch.float32, "exact"),
+                                                           (16, torch.bfloat16, torch.float32, "exact"),
+                                                           (32, torch.bfloat16, torch.float32, "exact"),
+                                                           (16, torch.bfloat16, torch.float32, "fast"),
+                                                           (64, torch.bfloat16, torch.bfloat16, "exact"),
+                                                           (16, torch.float16, torch.float16, "exact")],
+                         ids=["r8_pieces", "r16_pieces", "r32_pieces", "r16_fast", "r64_bf16", "r16_fp16"])
+@pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32], ids=["no_bias", "bias", "fp32_bias"])
+def test_shrink_matmul_matches_float64(m, k, n, r, dtype, adapter_dtype, math, bias_dtype, monkeypatch):
+    # Rows, K and columns not multiples of the 128 x 256 x 64 tiles; "many_tiles": each program walks several tiles
+    # (and waits for contributors of row blocks it did not see)
+    monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
+    x, weight, lora_A, lora_B, bias = operands(m, k, n, r, dtype, adapter_dtype, bias_dtype)
+    assert tma_ready(x, weight.t()) and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)
+    y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sm_count(x.device))
+    s_exact = x.double() @ lora_A.double().t()
+    if lora_in_fp32(dtype, adapter_dtype):  # float32-class: bf16 pieces of lora_A
+        assert_close(s, s_exact, torch.float32, x.float() @ lora_A.float().t(), "s")
+    else:
+        assert_close(s, s_exact, dtype, x @ lora_A.to(dtype).t(), "s")
+    y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
+    y_plain = lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE, bias)
+    assert_close(y, y_exact, dtype, y_plain, "y")
+
+
+@hopper
+def test_shapes_it_declines():
+    x, weight, lora_A, lora_B, bias = operands(512, 192, 512, 16, torch.bfloat16, torch.float32, None)
+    assert shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sm_count(x.device)) is None  # 3 K-steps
+    for r, adapter_dtype in [(12, torch.bfloat16), (64, torch.float32), (4, torch.bfloat16)]:
+        x, weight, lora_A, lora_B, bias = operands(512, 1024, 512, r, torch.bfloat16, adapter_dtype, None)
+        assert not shrink_matmul_ready(x, weight, lora_A, lora_B, bias), (r, adapter_dtype)
+    x, weight, lora_A, lora_B, bias = operands(512, 1024, 512, 16, torch.float16, torch.float32, None)
+    assert not shrink_matmul_ready(x, weight, lora_A, lora_B, bias)  # fp16 x keeps tf32x3 for float32 adapters
+
+
+@hopper
+@pytest.mark.parametrize("n, dropout_p, deterministic, routed", [(4096, 0.0, False, True), (4096, 0.1, False, False),
+                                                                 (4096, 0.0, True, False), (8192, 0.0, False, False)],
+                         ids=["no_dropout", "dropout", "deterministic", "wide"])
+def test_the_layer_shrinks_inside_the_gemm_without_dropout(n, dropout_p, deterministic, routed, monkeypatch):
+    calls = []
+    real = lora_linear_module.shrink_matmul_gluon
+    monkeypatch.setattr(lora_linear_module, "shrink_matmul_gluon", lambda *a: calls.append(1) or real(*a))
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        check((4096, 1000), n, 16, torch.bfloat16, "auto", dropout_p=dropout_p, adapter_dtype=torch.float32)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert calls == ([1] if routed else [])
