@@ -8,6 +8,7 @@
     python benchmarks/bench_lora_layer.py --no-decode     # checks, then training sizes only
     python benchmarks/bench_lora_layer.py --profile       # also each training shape's kernels (base, lorafuse)
     python benchmarks/bench_lora_layer.py --no-check --sweep-decode  # lora_decode launch configs, nothing else
+    python benchmarks/bench_lora_layer.py --shrink-separately  # A/B: the forward's shrink kept out of the GEMM
 
 Providers: base (the frozen nn.Linear alone: the floor), peft, peft_compiled, lorafuse
 (`lorafuse.fuse` on the same PeftModel: defaults, PEFT's float32 adapters computed exactly),
@@ -24,6 +25,7 @@ Rows go to benchmarks/results/lora_layer.csv (and $OUT when set); ratio = time /
 """
 import argparse
 import copy
+import importlib
 import os
 import sys
 from unittest import mock
@@ -360,7 +362,11 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also print base's and lorafuse's kernels per "
                         "training shape (torch.profiler)")
     parser.add_argument("--sweep-decode", action="store_true")
+    parser.add_argument("--shrink-separately", action="store_true",
+                        help="the route before ops/_shrink_matmul_gluon.py: shrink, then the GEMM (an A/B switch)")
     args = parser.parse_args()
+    if args.shrink_separately:  # lorafuse.ops.lora_linear is the function: the module by its full name
+        importlib.import_module("lorafuse.ops.lora_linear").SHRINK_IN_GEMM_UP_TO_N = 0
     ok = True if args.no_check else check_correctness()
     if args.check_only or not ok:  # timings of wrong kernels are not results
         sys.exit(0 if ok else 1)

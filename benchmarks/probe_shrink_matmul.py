@@ -1,0 +1,89 @@
+"""Probe: the layer's forward without dropout with the shrink inside the GEMM (ops/_shrink_matmul_gluon.py), against
+the route it replaces (lora_shrink, then lora_matmul's Gluon GEMM with the rank-r K-steps) and cuBLAS's GEMM alone.
+
+    python benchmarks/probe_shrink_matmul.py [--rounds 30] [--out DIR]
+
+8192 rows, the layer bench's four shapes, r = 16, float32 adapters (bf16 pieces) and bf16 ones, no bias. Each call
+includes its packing launches. Outputs are checked against float64 first (largest relative error of y and s); then
+CUDA graphs alternate call by call (benchmarks.common.time_alternating). Rows: <out>/shrink_matmul.csv (DESIGN.md's
+schema; bench `shrink_matmul`, ratio to cuBLAS).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import capture, environment, time_alternating, write_rows  # noqa: E402
+
+from lorafuse.ops._shrink_matmul_gluon import shrink_matmul_gluon, shrink_matmul_ready  # noqa: E402
+from lorafuse.ops._tiles import sm_count  # noqa: E402
+from lorafuse.ops.lora_matmul import lora_matmul, lora_matmul_reference  # noqa: E402
+from lorafuse.ops.lora_shrink import lora_shrink  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]  # (in, out) features of the base linear
+ROWS, RANK, SCALE = 8192, 16, 2.0
+
+
+def separate(x, weight, lora_A, lora_B):
+    s = lora_shrink(x, lora_A)
+    return lora_matmul(x, weight.t(), s, lora_B.t(), SCALE, tma=True)[0], s
+
+
+def fused(x, weight, lora_A, lora_B):
+    return shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, None, sm_count(x.device))
+
+
+def rel_err(got, exact):
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+def probe_case(k_in, n_out, adapter_dtype, rounds):
+    """({provider: (median, p20, p80) ms}, {provider: largest relative error of y and s to float64})."""
+    xs = [torch.randn(ROWS, k_in, device="cuda", dtype=torch.bfloat16) for _ in range(2)]  # 2 x 64+ MB: past L2
+    weight = (torch.randn(n_out, k_in, device="cuda") / k_in**0.5).bfloat16()
+    lora_A = (torch.randn(RANK, k_in, device="cuda") / k_in**0.5).to(adapter_dtype)
+    lora_B = torch.randn(n_out, RANK, device="cuda").to(adapter_dtype)
+    assert shrink_matmul_ready(xs[0], weight, lora_A, lora_B, None)
+    s_exact = xs[0].double() @ lora_A.double().t()
+    y_exact = lora_matmul_reference(xs[0], weight.t(), s_exact, lora_B.t(), SCALE, dtype=torch.float64)
+    errors = {}
+    for name, fn in (("separate", separate), ("fused", fused)):
+        y, s = fn(xs[0], weight, lora_A, lora_B)
+        errors[name] = max(rel_err(y, y_exact), rel_err(s, s_exact))
+    calls = {"cublas": lambda: [x @ weight.t() for x in xs],
+             "separate": lambda: [separate(x, weight, lora_A, lora_B) for x in xs],
+             "fused": lambda: [fused(x, weight, lora_A, lora_B) for x in xs]}
+    times = time_alternating({key: capture(fn)[0].replay for key, fn in calls.items()}, rounds=rounds, warmup=5)
+    return {key: tuple(t / len(xs) for t in value) for key, value in times.items()}, errors
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    tags, rows, table = environment(), [], []
+    for (k_in, n_out) in SHAPES:
+        for adapter_dtype, adapters in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            shape = f"M{ROWS}_K{k_in}_N{n_out}_r{RANK}_{adapters}_adapters"
+            times, errors = probe_case(k_in, n_out, adapter_dtype, args.rounds)
+            floor = times["cublas"][0]
+            for provider, (median, p20, p80) in times.items():
+                rows.append(dict(tags, bench="shrink_matmul", shape=shape, provider=provider, mode="fwd_graph",
+                                 median_ms=median, p20_ms=p20, p80_ms=p80,
+                                 metric="rel_err_fp64" if provider in errors else "", value=errors.get(provider, ""),
+                                 baseline="cublas", ratio=median / floor))
+            table.append((shape, floor, {key: t[0] / floor for key, t in times.items()}, errors))
+            print(table[-1], flush=True)
+    write_rows(rows, "shrink_matmul", [args.out])
+    print("\nratio to cuBLAS's GEMM alone (graph-replayed, alternating); error: largest relative error to float64")
+    print(f"{'shape':42s} {'cuBLAS us':>9s} {'separate':>9s} {'fused':>9s} {'error':>8s}")
+    for shape, floor, ratios, errors in table:
+        print(f"{shape:42s} {floor * 1000:9.1f} {ratios['separate']:9.3f} {ratios['fused']:9.3f} "
+              f"{max(errors.values()):8.1e}")
+
+
+if __name__ == "__main__":
+    main()
