@@ -12,9 +12,12 @@ pieces | 1] in registers for the rank-r K-steps of _lora_matmul_gluon's GEMM (R 
 there).
 - Waiting is safe: contributors of a row block lie within one window of fewer tiles than programs (tiles are dealt
   in order, one program per SM, all resident), and they publish before they wait.
-- A contributor starts its K-loop a multiple of k_steps // 4 steps in, so that its slice comes early; a row block's
-  tiles then take at most five K orders, and L2 still serves x's rows to them (one order per tile read x's rows from
-  memory up to 16 times: 1.08x -> 1.05x cuBLAS at 14336 -> 4096).
+- A contributor starts its K-loop so that its slice comes early, at a K-step rounded down to a multiple of
+  k_steps // 4: a row block's tiles then take a few K orders, and L2 still serves x's rows to them (one order per
+  tile read x's rows from memory up to 16 times: 1.08x -> 1.05x cuBLAS at 14336 -> 4096).
+- Waiting assumes all programs resident at once (one per SM; nothing else runs on the GPU). A kernel on another
+  stream that holds SMs (NCCL's, say) delays the programs that wait until it ends; one that waited on this GEMM would
+  hang it. The launch is not cooperative.
 - lora_A's pieces ride in c_smem between C's stores (the K-steps before START let the last store drain).
 - s's atomics add in no fixed order: under torch.use_deterministic_algorithms(True) the layer keeps the separate
   shrink.
@@ -73,13 +76,15 @@ def contributors_for(blocks_n: int, k_steps: int, programs: int) -> int:
 
 def shrink_matmul_ready(x, weight, lora_A, lora_B, bias) -> bool:
     """Whether shrink_matmul_gluon takes these inputs: Hopper (_gluon.runs_gluon_hopper), x and W in one 16-bit dtype
-    (the caller checked TMA's alignment), 16-bit rank-r products (as gluon_gemm_ready) with a rank of 8 to 64, a
-    power of two, whose pieces fit c_smem, and not under deterministic algorithms (s is summed by atomics)."""
+    with W's rows contiguous (a transposed weight, GPT-2's Conv1D under fan_in_fan_out, keeps the other route; the
+    caller checked TMA's alignment), 16-bit rank-r products (as gluon_gemm_ready) with a rank of 8 to 64, a power of
+    two, whose pieces fit c_smem, and not under deterministic algorithms (s is summed by atomics)."""
     # x: [M, K], weight: [N, K], lora_A: [r, K], lora_B: [N, r]
     r = lora_A.shape[0]
     pieces = _uses_pieces(x, lora_A)
     return (runs_gluon_hopper(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and (pieces or not lora_in_fp32(x.dtype, lora_B.dtype)) and 8 <= r <= 64 and r & (r - 1) == 0
+            and weight.stride(1) == 1 and (pieces or not lora_in_fp32(x.dtype, lora_B.dtype))
+            and 8 <= r <= 64 and r & (r - 1) == 0
             and _shrink_rows(r, pieces) <= MAX_SHRINK_ROWS and not torch.are_deterministic_algorithms_enabled())
 
 
@@ -92,7 +97,7 @@ if gluon is not None:
     def _plan(tile, blocks_m, blocks_n, k_steps, contributors, GROUP: gl.constexpr, START: gl.constexpr):
         # tile -> (row block, column block, K rotation, shrink steps, first shrink step). Column blocks below
         # `contributors` shrink x's K-steps [lo, lo + per), at loop steps first.. of a K-loop that starts at K-step
-        # rot, a multiple of k_steps // 4 (_placement is the same on the host)
+        # rot, lo - START rounded down to a multiple of k_steps // 4 (_placement is the same on the host)
         pid_m, pid_n = _tile_coords(tile, blocks_m, blocks_n, GROUP)
         contributes = pid_n < contributors
         lo = pid_n * k_steps // gl.maximum(contributors, 1)
@@ -308,7 +313,9 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms):
     bias_columns = 0 if bias is None else 1 if bias.dtype == x.dtype else 2
     width = rank_r_width(r, pieces, bias_columns)
     _, r_op = rank_r_operands(x.new_empty(0, r, dtype=torch.float32), lora_B.t(), scale, bias, x.dtype, pieces, True)
-    shrink_weight = (bf16_pieces(lora_A) if pieces else lora_A.to(x.dtype)).reshape(-1, K)  # [3 r or r, K]
+    shrink_weight = (bf16_pieces(lora_A) if pieces else lora_A.to(x.dtype).contiguous()).reshape(-1, K)  # [3r|r, K]
+    if shrink_weight.data_ptr() % 16:  # TMA reads from 16-byte aligned addresses (a view of an odd offset)
+        shrink_weight = shrink_weight.clone()
     work = torch.zeros(M * r + blocks_m, device=x.device, dtype=torch.int32)  # s (fp32 bits), then the counts
     s = work[:M * r].view(torch.float32).view(M, r)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -318,11 +325,13 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms):
     def descriptor(t, box):
         return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
 
-    descriptors = (descriptor(x, [BLOCK_M, BLOCK_K]), descriptor(weight, [BLOCK_N, BLOCK_K]),
-                   descriptor(shrink_weight, shrink_box), descriptor(r_op, [BLOCK_N, BLOCK_K]),
-                   descriptor(y, [BLOCK_M, BLOCK_N]))
-    ran = launch_or_fall_back("_gemm_shrink_rank_r", lambda: _gemm_shrink_rank_r[(programs,)](
-        *descriptors, s, work[M * r:], M, N, K, r, scale, contributors, RANK_STEPS=triton.cdiv(width, BLOCK_K), R=r,
-        PIECES=pieces, BIAS_COLUMNS=bias_columns, NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, START=START, LEAD=LEAD,
-        num_warps=WARPS))
+    def launch():  # the descriptors inside: an input they refuse falls back too
+        _gemm_shrink_rank_r[(programs,)](
+            descriptor(x, [BLOCK_M, BLOCK_K]), descriptor(weight, [BLOCK_N, BLOCK_K]),
+            descriptor(shrink_weight, shrink_box), descriptor(r_op, [BLOCK_N, BLOCK_K]),
+            descriptor(y, [BLOCK_M, BLOCK_N]), s, work[M * r:], M, N, K, r, scale, contributors,
+            RANK_STEPS=triton.cdiv(width, BLOCK_K), R=r, PIECES=pieces, BIAS_COLUMNS=bias_columns,
+            NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, START=START, LEAD=LEAD, num_warps=WARPS)
+
+    ran = launch_or_fall_back("_gemm_shrink_rank_r", launch)
     return (y, s) if ran else None

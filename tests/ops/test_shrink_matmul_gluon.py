@@ -4,7 +4,8 @@ CPU: where contributors_for puts the shrink slices (each K-step shrunk once, eve
 for s, the contributors within the window of programs).
 GPU (LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0, compute capability 9): the kernel against float64 on odd edges,
 ranks 8-64, float32 adapters (bf16 pieces, or LORAFUSE_ADAPTER_MATH=fast), bf16 and fp16 ones, biases in x's dtype or
-float32, one wave of tiles or several per program; the shapes it declines; the layer's route to it.
+float32, one wave of tiles or several per program, few programs; the shapes and layouts it declines; the layer's
+route to it.
 """
 import importlib
 
@@ -15,6 +16,7 @@ from lorafuse.ops._lora_matmul_gluon import GROUP_M
 from lorafuse.ops._shrink_matmul_gluon import (LEAD, START, WINDOW, _placement, contributors_for,
                                                shrink_matmul_gluon, shrink_matmul_ready)
 from lorafuse.ops._tiles import lora_in_fp32, sm_count
+from lorafuse.ops.lora_linear import lora_linear_reference
 from lorafuse.ops.lora_matmul import lora_matmul_reference, tma_ready
 from tests.ops._helpers import assert_close
 from tests.ops.test_lora_linear import check
@@ -52,23 +54,29 @@ def operands(m, k, n, r, dtype, adapter_dtype, bias_dtype):
 
 
 @hopper
-@pytest.mark.parametrize("m, k, n", [(300, 4096, 1000), (1000, 2056, 4000), (4096, 640, 8192)],
-                         ids=["one_wave", "odd_k", "many_tiles"])
+@pytest.mark.parametrize("m, k, n, programs", [(300, 4096, 1000, None), (1000, 2056, 4000, None),
+                                               (4096, 640, 8192, None), (9000, 1024, 4096, None),
+                                               (2000, 1024, 4096, 16)],
+                         ids=["one_wave", "odd_k", "many_tiles", "partial_group", "16_programs"])
 @pytest.mark.parametrize("r, dtype, adapter_dtype, math", [(8, torch.bfloat16, torch.float32, "exact"),
                                                            (16, torch.bfloat16, torch.float32, "exact"),
                                                            (32, torch.bfloat16, torch.float32, "exact"),
                                                            (16, torch.bfloat16, torch.float32, "fast"),
+                                                           (8, torch.bfloat16, torch.bfloat16, "exact"),
+                                                           (32, torch.bfloat16, torch.bfloat16, "exact"),
                                                            (64, torch.bfloat16, torch.bfloat16, "exact"),
                                                            (16, torch.float16, torch.float16, "exact")],
-                         ids=["r8_pieces", "r16_pieces", "r32_pieces", "r16_fast", "r64_bf16", "r16_fp16"])
+                         ids=["r8_pieces", "r16_pieces", "r32_pieces", "r16_fast", "r8_bf16", "r32_bf16", "r64_bf16",
+                              "r16_fp16"])
 @pytest.mark.parametrize("bias_dtype", [None, "x", torch.float32], ids=["no_bias", "bias", "fp32_bias"])
-def test_shrink_matmul_matches_float64(m, k, n, r, dtype, adapter_dtype, math, bias_dtype, monkeypatch):
-    # Rows, K and columns not multiples of the 128 x 256 x 64 tiles; "many_tiles": each program walks several tiles
-    # (and waits for contributors of row blocks it did not see)
+def test_shrink_matmul_matches_float64(m, k, n, programs, r, dtype, adapter_dtype, math, bias_dtype, monkeypatch):
+    # Rows, K and columns not multiples of the 128 x 256 x 64 tiles. "many_tiles": each program walks several tiles
+    # (and waits for contributors of row blocks it did not see); "partial_group": the last group of row blocks has 7
+    # of 8; "16_programs": two contributors a row block, each program a tile of many row blocks in turn
     monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
     x, weight, lora_A, lora_B, bias = operands(m, k, n, r, dtype, adapter_dtype, bias_dtype)
     assert tma_ready(x, weight.t()) and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)
-    y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sm_count(x.device))
+    y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, programs or sm_count(x.device))
     s_exact = x.double() @ lora_A.double().t()
     if lora_in_fp32(dtype, adapter_dtype):  # float32-class: bf16 pieces of lora_A
         assert_close(s, s_exact, torch.float32, x.float() @ lora_A.float().t(), "s")
@@ -88,6 +96,19 @@ def test_shapes_it_declines():
         assert not shrink_matmul_ready(x, weight, lora_A, lora_B, bias), (r, adapter_dtype)
     x, weight, lora_A, lora_B, bias = operands(512, 1024, 512, 16, torch.float16, torch.float32, None)
     assert not shrink_matmul_ready(x, weight, lora_A, lora_B, bias)  # fp16 x keeps tf32x3 for float32 adapters
+    x, weight, lora_A, lora_B, bias = operands(512, 1024, 512, 16, torch.bfloat16, torch.float32, None)
+    assert shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, 8) is None  # one contributor: K does not fit
+
+
+@hopper
+def test_a_transposed_weight_keeps_the_other_route():
+    # GPT-2's Conv1D under fan_in_fan_out: the layer passes W as a [N, K] view with unit stride along N
+    x, weight, lora_A, lora_B, bias = operands(4096, 1024, 4096, 16, torch.bfloat16, torch.float32, "x")
+    transposed = weight.t().contiguous().t()
+    assert not shrink_matmul_ready(x, transposed, lora_A, lora_B, bias)
+    y = lora_linear_module.lora_linear(x, transposed, bias, lora_A, lora_B, SCALE)
+    exact = lora_linear_reference(*(t.double() for t in (x, weight, bias, lora_A, lora_B)), SCALE)
+    assert_close(y, exact, torch.bfloat16, lora_linear_reference(x, weight, bias, lora_A, lora_B, SCALE), "y")
 
 
 @hopper
@@ -97,10 +118,10 @@ def test_shapes_it_declines():
 def test_the_layer_shrinks_inside_the_gemm_without_dropout(n, dropout_p, deterministic, routed, monkeypatch):
     calls = []
     real = lora_linear_module.shrink_matmul_gluon
-    monkeypatch.setattr(lora_linear_module, "shrink_matmul_gluon", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(lora_linear_module, "shrink_matmul_gluon", lambda *a: calls.append(real(*a)) or calls[-1])
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
         check((4096, 1000), n, 16, torch.bfloat16, "auto", dropout_p=dropout_p, adapter_dtype=torch.float32)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert calls == ([1] if routed else [])
+    assert len(calls) == routed and all(result is not None for result in calls)  # it ran, it did not fall back
