@@ -10,14 +10,13 @@ MMA; then they add their part of s with float32 atomics and count themselves in 
 block waits for the count (acquire) LEAD steps before its rank-r steps, then reads s and builds L = [scale * s
 pieces | 1] in registers for the rank-r K-steps of _lora_matmul_gluon's GEMM (R = [B pieces; bias] is packed as
 there).
-- Waiting is safe: contributors of a row block lie within one window of fewer tiles than programs (tiles are dealt
-  in order, one program per SM, all resident), and they publish before they wait.
 - A contributor starts its K-loop so that its slice comes early, at a K-step rounded down to a multiple of
   k_steps // 4: a row block's tiles then take a few K orders, and L2 still serves x's rows to them (one order per
   tile read x's rows from memory up to 16 times: 1.08x -> 1.05x cuBLAS at 14336 -> 4096).
-- Waiting assumes all programs resident at once (one per SM; nothing else runs on the GPU). A kernel on another
-  stream that holds SMs (NCCL's, say) delays the programs that wait until it ends; one that waited on this GEMM would
-  hang it. The launch is not cooperative.
+- Waiting cannot deadlock while all programs are resident (one per SM): a row block's contributors lie within a
+  window of fewer tiles than programs (tiles are dealt in order), and they publish before they wait. The launch is
+  not cooperative: a kernel on another stream that holds SMs (NCCL's, say) delays the programs that wait until it
+  ends; one that waited on this GEMM would hang it.
 - lora_A's pieces ride in c_smem between C's stores (the K-steps before START let the last store drain).
 - s's atomics add in no fixed order: under torch.use_deterministic_algorithms(True) the layer keeps the separate
   shrink.
