@@ -1,5 +1,6 @@
 """Gluon, Triton's lower-level language, for the Hopper kernels that need a hand-written pipeline
-(_lora_matmul_gluon.py, _lora_expand_gluon.py): its imports, and where those kernels may run.
+(_lora_matmul_gluon.py, _shrink_matmul_gluon.py, _lora_expand_gluon.py): its imports, where those kernels may run,
+and their rings' barriers.
 
 Gluon's API is experimental and has changed between Triton releases; the kernels are written and tested against
 Triton 3.6 (the GPU machines') and use names that 3.9 (this project's CPU pin) still has. Triton's interpreter does
@@ -61,3 +62,15 @@ def launch_or_fall_back(kernel: str, launch) -> bool:
         return False
     _working.add(kernel)
     return True
+
+
+if gluon is not None:
+    @gluon.jit
+    def ready_barriers(buffers: gl.constexpr):
+        # one mbarrier per ring slot, in shared memory: TMA's loads of the slot arrive on it
+        ready = gl.allocate_shared_memory(gl.int64, [buffers, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(buffers):
+            mbarrier.init(ready.index(i), count=1)
+        return ready
+else:  # pragma: no cover - no Gluon: its kernels are not defined either
+    ready_barriers = None

@@ -18,7 +18,7 @@ import triton
 
 from ._bf16_pieces import PIECES
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
-                     runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
+                     ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import atomic_partial_sums
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
@@ -77,9 +77,7 @@ if gluon is not None:
 
         dy_ring = gl.allocate_shared_memory(dtype, [buffers] + dy_desc.block_type.shape, dy_desc.layout)
         b_ring = gl.allocate_shared_memory(dtype, [buffers * P] + b_desc.block_type.shape, b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [buffers, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(buffers):
-            mbarrier.init(ready.index(i), count=1)
+        ready = ready_barriers(buffers)
         for c in gl.static_range(buffers - 1):
             _load_chunk(c, n0, off_m, dy_desc, b_desc, N, ready, dy_ring, b_ring, P, c < chunks)
 

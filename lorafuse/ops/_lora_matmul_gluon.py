@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces_reference, split_bf16
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
-                     runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
+                     ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import lora_in_fp32
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
@@ -129,12 +129,13 @@ def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major):
 
 if gluon is not None:
     @gluon.jit
-    def _ready_barriers(NUM_BUFFERS: gl.constexpr):
-        # one mbarrier per ring slot: TMA's loads of the slot arrive on it
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUFFERS):
-            mbarrier.init(ready.index(i), count=1)
-        return ready
+    def _gemm_buffers(a_desc, b_desc, c_desc, NUM_BUFFERS: gl.constexpr):
+        # (A's ring, B's ring, C's staging tile, the rings' barriers) in shared memory, as the descriptors' boxes
+        dtype: gl.constexpr = a_desc.dtype
+        a_ring = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
+        b_ring = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
+        c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+        return a_ring, b_ring, c_smem, ready_barriers(NUM_BUFFERS)
 
     @gluon.jit
     def _tile_coords(tile, blocks_m, blocks_n, GROUP: gl.constexpr):
@@ -196,10 +197,7 @@ if gluon is not None:
         dtype: gl.constexpr = a_desc.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
-        a_ring = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
-        b_ring = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
-        c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
-        ready = _ready_barriers(NUM_BUFFERS)
+        a_ring, b_ring, c_smem, ready = _gemm_buffers(a_desc, b_desc, c_desc, NUM_BUFFERS)
 
         blocks_m = gl.cdiv(M, BLOCK_M)
         blocks_n = gl.cdiv(N, BLOCK_N)

@@ -28,15 +28,16 @@ cuBLAS's GEMM alone), against the separate shrink and _lora_matmul_gluon's GEMM:
 (float32 adapters) and 1.083 against 1.124 (bf16 ones); 14336 -> 4096 1.062 against 1.081 and 1.041 against 1.068.
 Wider outputs gained nothing (SHRINK_IN_GEMM_UP_TO_N).
 """
+import functools
+
 import torch
 import triton
 
-from ._bf16_pieces import bf16_pieces
-from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
-                     runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
-from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, _mma_step,
-                                 _ready_barriers, _tile_coords, rank_r_operands, rank_r_width)
-from ._tiles import lora_in_fp32
+from ._bf16_pieces import bf16_pieces, uses_bf16_pieces
+from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier, tma,
+                     warpgroup_mma, warpgroup_mma_wait)
+from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, _gemm_buffers, _mma_step,
+                                 _tile_coords, gluon_gemm_ready, rank_r_operands, rank_r_width)
 
 START = 4  # a contributor's first possible shrink step: by then the last tile's C store has left c_smem
 LEAD = 3  # K-steps between a tile's wait for s and its first rank-r step: L2's latency hides behind their MMAs
@@ -53,24 +54,25 @@ def _shrink_rows(rank: int, pieces: bool) -> int:
     return triton.next_power_of_2(3 * rank if pieces else rank)
 
 
-def _placement(lo, hi, k_steps):
-    """(K rotation, first loop step) of a contributor's shrink slice of K-steps [lo, hi), as _plan places it."""
+def _placement(lo, k_steps):
+    """(K rotation, first loop step) of a contributor's shrink slice of K-steps from lo, as _plan places it."""
     quantum = max(k_steps // 4, 1)
     rot = ((lo - START + k_steps) // quantum * quantum - k_steps) % k_steps
     return rot, (lo - rot) % k_steps
 
 
+@functools.cache
 def contributors_for(blocks_n: int, k_steps: int, programs: int) -> int:
     """Column tiles per row block that share its shrink, or 0 where the shape cannot fuse it: each one's slice of K
     must fall between START and the wait for s."""
+    def fits(lo, hi):
+        first = _placement(lo, k_steps)[1]
+        return START <= first and first + hi - lo <= k_steps - LEAD
+
     c = min(blocks_n, int(WINDOW * programs - 1) // GROUP_M + 1, k_steps)
-    while c > 0:
-        slices = [(j * k_steps // c, (j + 1) * k_steps // c) for j in range(c)]
-        if all(START <= _placement(lo, hi, k_steps)[1] and _placement(lo, hi, k_steps)[1] + hi - lo <= k_steps - LEAD
-               for lo, hi in slices):
-            return c
+    while c > 0 and not all(fits(j * k_steps // c, (j + 1) * k_steps // c) for j in range(c)):
         c -= 1
-    return 0
+    return c
 
 
 def shrink_matmul_ready(x, weight, lora_A, lora_B, bias) -> bool:
@@ -80,15 +82,10 @@ def shrink_matmul_ready(x, weight, lora_A, lora_B, bias) -> bool:
     two, whose pieces fit c_smem, and not under deterministic algorithms (s is summed by atomics)."""
     # x: [M, K], weight: [N, K], lora_A: [r, K], lora_B: [N, r]
     r = lora_A.shape[0]
-    pieces = _uses_pieces(x, lora_A)
-    return (runs_gluon_hopper(x) and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1 and (pieces or not lora_in_fp32(x.dtype, lora_B.dtype))
+    pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
+    return (gluon_gemm_ready(x, weight.t(), lora_B.t(), pieces) and weight.stride(1) == 1
             and 8 <= r <= 64 and r & (r - 1) == 0
             and _shrink_rows(r, pieces) <= MAX_SHRINK_ROWS and not torch.are_deterministic_algorithms_enabled())
-
-
-def _uses_pieces(x, lora_A):
-    return x.dtype == torch.bfloat16 and lora_in_fp32(x.dtype, lora_A.dtype)
 
 
 if gluon is not None:
@@ -204,12 +201,9 @@ if gluon is not None:
                                                               instr_shape=[16, SHRINK_ROWS, 16])
         left_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [num_warps, 1],
                                                      [1, 0])
-        a_ring = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
-        b_ring = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + b_desc.block_type.shape, b_desc.layout)
-        c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+        a_ring, b_ring, c_smem, ready = _gemm_buffers(a_desc, b_desc, c_desc, NUM_BUFFERS)
         # between C's stores c_smem holds lora_A's ring (views of shared memory have power-of-two shapes: 4 slots)
         la_ring = c_smem._reinterpret(dtype, [4, SHRINK_ROWS, BLOCK_K], la_desc.layout)
-        ready = _ready_barriers(NUM_BUFFERS)
 
         blocks_m = gl.cdiv(M, BLOCK_M)
         blocks_n = gl.cdiv(N, BLOCK_N)
@@ -308,7 +302,7 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms):
     contributors = contributors_for(blocks_n, k_steps, programs)
     if contributors == 0:
         return None
-    pieces = _uses_pieces(x, lora_A)
+    pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
     bias_columns = 0 if bias is None else 1 if bias.dtype == x.dtype else 2
     width = rank_r_width(r, pieces, bias_columns)
     _, r_op = rank_r_operands(x.new_empty(0, r, dtype=torch.float32), lora_B.t(), scale, bias, x.dtype, pieces, True)

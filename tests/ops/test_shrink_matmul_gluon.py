@@ -39,7 +39,7 @@ def test_contributors_shrink_every_k_step_once_between_start_and_the_wait(k_step
     shrunk = []
     for j in range(c):
         lo, hi = j * k_steps // c, (j + 1) * k_steps // c
-        rot, first = _placement(lo, hi, k_steps)
+        rot, first = _placement(lo, k_steps)
         assert START <= first and first + hi - lo <= k_steps - LEAD
         shrunk += [(step + rot) % k_steps for step in range(first, first + hi - lo)]  # the loop reads step + rot
     assert sorted(shrunk) == (list(range(k_steps)) if c else [])
