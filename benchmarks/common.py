@@ -96,6 +96,17 @@ def capture(fn):
     return graph, outputs
 
 
+def timing_rows(tags, bench, shape, mode, times, baseline, metric="", values=None):
+    """A row of COLUMNS per provider of time_alternating's {provider: (median, p20, p80)}, with its ratio to
+    `baseline`'s median; values: {provider: value of `metric`} (a provider without one gets neither)."""
+    values = values or {}
+    base = times[baseline][0]
+    return [dict(tags, bench=bench, shape=shape, provider=provider, mode=mode, median_ms=median, p20_ms=p20,
+                 p80_ms=p80, metric=metric if provider in values else "", value=values.get(provider, ""),
+                 baseline=baseline, ratio=median / base)
+            for provider, (median, p20, p80) in times.items()]
+
+
 def write_rows(rows, bench, out_dirs):
     """Append rows (dicts with the COLUMNS) to <dir>/<bench>.csv for each dir."""
     for out_dir in out_dirs:

@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import capture, environment, time_alternating, write_rows  # noqa: E402
+from benchmarks.common import capture, environment, time_alternating, timing_rows, write_rows  # noqa: E402
 
 from lorafuse.ops._bf16_pieces import bf16_pieces  # noqa: E402
 from lorafuse.ops._lora_expand_gluon import expand_backward_gluon  # noqa: E402
@@ -83,12 +83,8 @@ def main():
         floor_us = ROWS * n * 2 / gbps / 1e3
         for r, adapter_dtype in CASES:
             times, error = probe_case(n, r, adapter_dtype, args.rounds)
-            base = times["triton_partials"][0]
-            for provider, (median, p20, p80) in times.items():
-                rows.append(dict(tags, bench="expand_backward", shape=f"M{ROWS}_N{n}_r{r}_{str(adapter_dtype)[6:]}",
-                                 provider=provider, mode="bwd_graph", median_ms=median, p20_ms=p20, p80_ms=p80,
-                                 metric="dy_read_floor_us", value=floor_us, baseline="triton_partials",
-                                 ratio=median / base))
+            rows += timing_rows(tags, "expand_backward", f"M{ROWS}_N{n}_r{r}_{str(adapter_dtype)[6:]}", "bwd_graph",
+                                times, "triton_partials", "dy_read_floor_us", dict.fromkeys(times, floor_us))
             cells = [f"{times[k][0] * 1e3:15.1f}" if k in times else f"{'-':>15s}" for k in keys]
             print(f"{ROWS:5d} x {n:5d} {r:3d} {str(adapter_dtype)[6:]:>8s} " + " ".join(cells)
                   + f" {floor_us:6.1f}  {error:.1e}", flush=True)

@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import capture, environment, time_alternating, write_rows  # noqa: E402
+from benchmarks.common import capture, environment, time_alternating, timing_rows, write_rows  # noqa: E402
 
 from lorafuse.ops._bf16_pieces import bf16_pieces_reference  # noqa: E402
 from lorafuse.ops.lora_matmul import _config, _tile_coords, lora_matmul  # noqa: E402
@@ -162,10 +162,7 @@ def main():
         mode = "fwd_graph" if forward else "dx_graph"
         times, errors = probe_case(k_in, n_out, forward, args.rounds)
         floor = times["cublas"][0]
-        for provider, (median, p20, p80) in times.items():
-            rows.append(dict(tags, bench="rank_r_gemm", shape=shape, provider=provider, mode=mode, median_ms=median,
-                             p20_ms=p20, p80_ms=p80, metric="rel_err_fp64" if provider in errors else "",
-                             value=errors.get(provider, ""), baseline="cublas", ratio=median / floor))
+        rows += timing_rows(tags, "rank_r_gemm", shape, mode, times, "cublas", "rel_err_fp64", errors)
         table.append((f"{shape}_{mode}", floor, {key: t[0] / floor for key, t in times.items()}, errors))
         print(table[-1], flush=True)
     write_rows(rows, "rank_r_gemm", [args.out])

@@ -15,7 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import capture, environment, time_alternating, write_rows  # noqa: E402
+from benchmarks.common import capture, environment, time_alternating, timing_rows, write_rows  # noqa: E402
 
 from lorafuse.ops._shrink_matmul_gluon import shrink_matmul_gluon, shrink_matmul_ready  # noqa: E402
 from lorafuse.ops._tiles import sm_count  # noqa: E402
@@ -70,11 +70,7 @@ def main():
             shape = f"M{ROWS}_K{k_in}_N{n_out}_r{RANK}_{adapters}_adapters"
             times, errors = probe_case(k_in, n_out, adapter_dtype, args.rounds)
             floor = times["cublas"][0]
-            for provider, (median, p20, p80) in times.items():
-                rows.append(dict(tags, bench="shrink_matmul", shape=shape, provider=provider, mode="fwd_graph",
-                                 median_ms=median, p20_ms=p20, p80_ms=p80,
-                                 metric="rel_err_fp64" if provider in errors else "", value=errors.get(provider, ""),
-                                 baseline="cublas", ratio=median / floor))
+            rows += timing_rows(tags, "shrink_matmul", shape, "fwd_graph", times, "cublas", "rel_err_fp64", errors)
             table.append((shape, floor, {key: t[0] / floor for key, t in times.items()}, errors))
             print(table[-1], flush=True)
     write_rows(rows, "shrink_matmul", [args.out])
