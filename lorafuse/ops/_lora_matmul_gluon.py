@@ -64,22 +64,28 @@ def rank_r_operands_reference(low, right, scale, bias, dtype, pieces):
 
 
 @triton.jit
-def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, M, N, rank, scale, stride_rr, stride_rn, width,
-                 PIECES: tl.constexpr, BIAS_COLUMNS: tl.constexpr, R_K_MAJOR: tl.constexpr, W: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, split_ptr, split_out_ptr, zero_ptr, M, N, rank, scale,
+                 stride_rr, stride_rn, width, split_n, zero_n, PIECES: tl.constexpr, BIAS_COLUMNS: tl.constexpr,
+                 R_K_MAJOR: tl.constexpr, SPLIT: tl.constexpr, ZERO: tl.constexpr, W: tl.constexpr,
+                 BLOCK: tl.constexpr, FLAT: tl.constexpr):
     # low: [M, rank] fp32 contiguous; right: [rank, N] (strides stride_rr, stride_rn); bias: [N]
     # L: [M, width], R: [N, width] when R_K_MAJOR else [width, N]; W: width rounded up to a power of two
-    # Programs below cdiv(M, BLOCK) write rows of L, the others columns of R. Column c of L (row of R) holds piece
+    # split: [split_n] fp32 -> split_out: [SPLIT, split_n] (its bf16 pieces, or with SPLIT == 1 its cast); zero:
+    # [zero_n] int32. Programs in turn: cdiv(M, BLOCK) write rows of L, cdiv(N, BLOCK) columns of R, then FLAT
+    # elements each of split's pieces (with SPLIT) and of zeros (with ZERO). Column c of L (row of R) holds piece
     # c // rank of rank index c % rank, then the bias columns, then zeros.
     dtype = l_ptr.dtype.element_ty
+    pid = tl.program_id(0)
     row_blocks = tl.cdiv(M, BLOCK)
+    right_end = row_blocks + tl.cdiv(N, BLOCK)
+    split_end = right_end + (tl.cdiv(split_n, FLAT) if SPLIT > 0 else 0)
     cols = tl.arange(0, W)
     term_cols = 3 * rank if PIECES else rank
     piece, j = cols // rank, cols % rank
     in_term = cols < term_cols
     bias_col = cols - term_cols
-    if tl.program_id(0) < row_blocks:
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if pid < row_blocks:
+        rows = pid * BLOCK + tl.arange(0, BLOCK)
         v = scale * tl.load(low_ptr + rows[:, None].to(tl.int64) * rank + j[None, :],
                             mask=(rows[:, None] < M) & in_term[None, :], other=0.0)
         if PIECES:
@@ -89,8 +95,8 @@ def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, M, N, rank, scale, 
         v = tl.where(ones[None, :], 1.0, v.to(tl.float32))
         tl.store(l_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], v.to(dtype),
                  mask=(rows[:, None] < M) & (cols[None, :] < width))
-    else:
-        ns = (tl.program_id(0) - row_blocks) * BLOCK + tl.arange(0, BLOCK)
+    elif pid < right_end:
+        ns = (pid - row_blocks) * BLOCK + tl.arange(0, BLOCK)
         n_ok = ns < N
         v = tl.load(right_ptr + j[None, :] * stride_rr + ns[:, None] * stride_rn, mask=n_ok[:, None] & in_term[None, :],
                     other=0.0).to(tl.float32)
@@ -109,22 +115,45 @@ def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, M, N, rank, scale, 
             tl.store(r_ptr + ns[:, None].to(tl.int64) * width + cols[None, :], v.to(dtype), mask=mask)
         else:
             tl.store(r_ptr + cols[None, :].to(tl.int64) * N + ns[:, None], v.to(dtype), mask=mask)
+    elif pid < split_end:
+        offs = (pid - right_end) * FLAT + tl.arange(0, FLAT)
+        ok = offs < split_n
+        t = tl.load(split_ptr + offs, mask=ok, other=0.0)
+        if SPLIT == 3:
+            hi, mid, lo = split_bf16(t)
+            tl.store(split_out_ptr + offs, hi, mask=ok)
+            tl.store(split_out_ptr + split_n + offs, mid, mask=ok)
+            tl.store(split_out_ptr + 2 * split_n + offs, lo, mask=ok)
+        else:
+            tl.store(split_out_ptr + offs, t.to(split_out_ptr.dtype.element_ty), mask=ok)
+    elif ZERO:
+        offs = (pid - split_end) * FLAT + tl.arange(0, FLAT)
+        tl.store(zero_ptr + offs, tl.zeros([FLAT], tl.int32), mask=offs < zero_n)
 
 
-def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major):
-    """(L [M, width], R [N, width] if r_k_major else [width, N]) in `dtype`: rank_r_operands_reference zero-padded
-    to rank_r_width columns, in one launch."""
-    # low: [M, r] fp32, right: [r, N] (any strides), bias: [N] or None
+def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major, split=None, zeroed=None):
+    """(L [M, width], R [N, width] if r_k_major else [width, N], split's pieces or None) in `dtype`:
+    rank_r_operands_reference zero-padded to rank_r_width columns. The same launch also writes the bf16 pieces of a
+    float32 `split` ([3, *split.shape], or with `pieces` False split cast to dtype: [1, *split.shape]) and zeroes the
+    int32 tensor `zeroed`: the operands that _shrink_matmul_gluon's GEMM reads, without a launch each."""
+    # low: [M, r] fp32, right: [r, N] (any strides), bias: [N] or None, split: fp32 (any shape), zeroed: int32
     M, r, N = low.shape[0], right.shape[0], right.shape[1]
     bias_columns = 0 if bias is None else 1 if bias.dtype == dtype else 2
     width = rank_r_width(r, pieces, bias_columns)
     left = torch.empty(M, width, device=low.device, dtype=dtype)
     r_out = torch.empty((N, width) if r_k_major else (width, N), device=low.device, dtype=dtype)
-    block = 64
-    _pack_rank_r[(triton.cdiv(M, block) + triton.cdiv(N, block),)](
-        low.contiguous(), right, bias, left, r_out, M, N, r, scale, right.stride(0), right.stride(1), width,
-        PIECES=pieces, BIAS_COLUMNS=bias_columns, R_K_MAJOR=r_k_major, W=triton.next_power_of_2(width), BLOCK=block)
-    return left, r_out
+    split_parts = 0 if split is None else 3 if pieces else 1
+    split = low if split is None else split.contiguous()  # a float32 tensor that no program reads without `split`
+    split_out = torch.empty(split_parts, *split.shape, device=low.device, dtype=dtype)
+    zero_n = 0 if zeroed is None else zeroed.numel()
+    block, flat = 64, 1024
+    programs = triton.cdiv(M, block) + triton.cdiv(N, block) + triton.cdiv(split.numel(), flat) * (split_parts > 0) + \
+        triton.cdiv(zero_n, flat)
+    _pack_rank_r[(programs,)](
+        low.contiguous(), right, bias, left, r_out, split, split_out, zeroed, M, N, r, scale, right.stride(0),
+        right.stride(1), width, split.numel(), zero_n, PIECES=pieces, BIAS_COLUMNS=bias_columns, R_K_MAJOR=r_k_major,
+        SPLIT=split_parts, ZERO=zeroed is not None, W=triton.next_power_of_2(width), BLOCK=block, FLAT=flat)
+    return left, r_out, split_out if split_parts else None
 
 
 if gluon is not None:
@@ -249,7 +278,7 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     M, K = a.shape
     N = b.shape[1]
     b_k_major = b.stride(0) == 1
-    left, r_op = rank_r_operands(low, right, scale, bias, a.dtype, pieces, b_k_major)
+    left, r_op, _ = rank_r_operands(low, right, scale, bias, a.dtype, pieces, b_k_major)
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     a_box = [BLOCK_M, BLOCK_K]

@@ -33,7 +33,7 @@ import functools
 import torch
 import triton
 
-from ._bf16_pieces import bf16_pieces, uses_bf16_pieces
+from ._bf16_pieces import uses_bf16_pieces
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier, tma,
                      warpgroup_mma, warpgroup_mma_wait)
 from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, _gemm_buffers, _mma_step,
@@ -305,11 +305,15 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms):
     pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
     bias_columns = 0 if bias is None else 1 if bias.dtype == x.dtype else 2
     width = rank_r_width(r, pieces, bias_columns)
-    _, r_op = rank_r_operands(x.new_empty(0, r, dtype=torch.float32), lora_B.t(), scale, bias, x.dtype, pieces, True)
-    shrink_weight = (bf16_pieces(lora_A) if pieces else lora_A.to(x.dtype).contiguous()).reshape(-1, K)  # [3r|r, K]
+    # One launch packs R, makes lora_A's bf16 pieces (or its cast: LORAFUSE_ADAPTER_MATH=fast) and zeroes s and the
+    # counts: a launch each cost 1.5 % more at 4096 -> 4096 (H100, benchmarks/NOTES_lora_layer.md)
+    work = torch.empty(M * r + blocks_m, device=x.device, dtype=torch.int32)  # s (fp32 bits), then the counts
+    cast = lora_A.dtype != x.dtype
+    _, r_op, split = rank_r_operands(x.new_empty(0, r, dtype=torch.float32), lora_B.t(), scale, bias, x.dtype, pieces,
+                                     True, split=lora_A if cast else None, zeroed=work)
+    shrink_weight = (split if cast else lora_A.contiguous()).reshape(-1, K)  # [3r|r, K]
     if shrink_weight.data_ptr() % 16:  # TMA reads from 16-byte aligned addresses (a view of an odd offset)
         shrink_weight = shrink_weight.clone()
-    work = torch.zeros(M * r + blocks_m, device=x.device, dtype=torch.int32)  # s (fp32 bits), then the counts
     s = work[:M * r].view(torch.float32).view(M, r)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16

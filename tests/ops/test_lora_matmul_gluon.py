@@ -6,6 +6,7 @@ import torch
 
 from lorafuse.ops import _gluon
 
+from lorafuse.ops._bf16_pieces import bf16_pieces_reference
 from lorafuse.ops._lora_matmul_gluon import rank_r_operands, rank_r_operands_reference, rank_r_width
 
 SCALE = 1.3
@@ -25,7 +26,7 @@ def rank_r_inputs(m, n, r, right_dtype, bias_dtype):
 def test_rank_r_operands_match_the_reference(r, pieces, bias_dtype, r_k_major):
     m, n = 70, 136  # neither a multiple of the packing block (64)
     low, right, bias = rank_r_inputs(m, n, r, torch.float32 if pieces else torch.bfloat16, bias_dtype)
-    left, r_op = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, r_k_major)
+    left, r_op, _ = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, r_k_major)
     ref_left, ref_right = rank_r_operands_reference(low, right, SCALE, bias, torch.bfloat16, pieces)
     width = rank_r_width(r, pieces, 0 if bias is None else 1 if bias_dtype == torch.bfloat16 else 2)
     used = ref_left.shape[1]
@@ -46,16 +47,39 @@ def test_rank_r_operands_multiply_to_the_rank_r_term(pieces, bias_dtype):
     # float32 adapters as pieces keep the product to float32 class (the three largest of nine piece products: about
     # 2^-17 relative); bf16 ones round scale * low once (2^-9).
     low, right, bias = rank_r_inputs(50, 40, 12, torch.float32 if pieces else torch.bfloat16, bias_dtype)
-    left, r_op = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, False)
+    left, r_op, _ = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, False)
     exact = SCALE * (low.double() @ right.double()) + (0 if bias is None else bias.double())
     err = ((left.double() @ r_op.double() - exact).norm() / exact.norm()).item()
     assert err < (3e-5 if pieces else 4e-3)
 
 
+@pytest.mark.parametrize("pieces", [True, False], ids=["fp32_pieces", "cast"])
+@pytest.mark.parametrize("split_shape, zero_n", [((16, 1030), 1025), ((3, 5), 7), ((48, 64), 0)],
+                         ids=["odd", "tiny", "no_zeros"])
+def test_the_same_launch_splits_a_weight_and_zeroes_a_buffer(pieces, split_shape, zero_n):
+    # _shrink_matmul_gluon's operands: lora_A's pieces (or its cast under LORAFUSE_ADAPTER_MATH=fast) and its zeroed
+    # s and counts, beside R; neither a multiple of the 1024 elements a program takes
+    low, right, bias = rank_r_inputs(0, 136, 16, torch.float32, torch.float32)
+    weight = torch.randn(*split_shape) / 7
+    zeroed = torch.randint(1, 100, (zero_n,), dtype=torch.int32) if zero_n else None
+    left, r_op, split = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, True, split=weight,
+                                        zeroed=zeroed)
+    if pieces:
+        assert torch.equal(split, bf16_pieces_reference(weight))
+    else:
+        assert torch.equal(split, weight.to(torch.bfloat16)[None])
+    if zeroed is not None:
+        assert not zeroed.any()
+    _, ref_right = rank_r_operands_reference(low, right, SCALE, bias, torch.bfloat16, pieces)
+    torch.testing.assert_close(r_op.t()[:ref_right.shape[0]].float(), ref_right.float(), rtol=2**-7,
+                               atol=2**-22 * ref_right.float().abs().max().item())
+    assert left.shape[0] == 0
+
+
 def test_float16_operands_with_a_float32_bias():
     # 16-bit adapter math on float16 activations: a float32 bias goes as two float16 pieces, L and R stay float16.
     low, right, bias = rank_r_inputs(70, 136, 8, torch.float16, torch.float32)
-    left, r_op = rank_r_operands(low, right, SCALE, bias, torch.float16, False, True)
+    left, r_op, _ = rank_r_operands(low, right, SCALE, bias, torch.float16, False, True)
     ref_left, ref_right = rank_r_operands_reference(low, right, SCALE, bias, torch.float16, False)
     assert left.dtype == r_op.dtype == ref_left.dtype == ref_right.dtype == torch.float16
     used = ref_left.shape[1]
