@@ -19,7 +19,7 @@ import triton
 from ._bf16_pieces import PIECES
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
-from ._tiles import atomic_partial_sums
+from ._tiles import atomic_partial_sums, partial_sums, summed
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
 
@@ -60,12 +60,12 @@ if gluon is not None:
 
     @gluon.jit
     def _expand_bwd(dy_desc, b_desc, s_ptr, ds_part_ptr, db_part_ptr, M, N, rank, scale, cols_per_split,
-                    P: gl.constexpr, R: gl.constexpr, BUFFERS: gl.constexpr, ATOMIC_DB: gl.constexpr,
-                    A_IN_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+                    P: gl.constexpr, R: gl.constexpr, BUFFERS: gl.constexpr, ATOMIC_DS: gl.constexpr,
+                    ATOMIC_DB: gl.constexpr, A_IN_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
         # dy: [M, N] in [BM, BN] boxes; B: [P * N, rank] (its P bf16 pieces stacked) in [BN, R] boxes; s: [M, rank]
-        # fp32; ds_part: [splits, M, rank], db_part: [row_blocks, N, rank] (fp32, scale applied), or with ATOMIC_DB dB
-        # [N, rank] itself, zeroed, which the row blocks add into. Program (i, j): rows i * BM..., columns
-        # j * cols_per_split... in chunks of BN.
+        # fp32; ds_part: partial_sums' buffer of [M, rank] over column splits (as _tiles.store_partial writes it),
+        # db_part: [row_blocks, N, rank] (fp32, scale applied), or with ATOMIC_DB dB [N, rank] itself, zeroed, which
+        # the row blocks add into. Program (i, j): rows i * BM..., columns j * cols_per_split... in chunks of BN.
         BM: gl.constexpr = dy_desc.block_type.shape[0]
         BN: gl.constexpr = dy_desc.block_type.shape[1]
         dtype: gl.constexpr = dy_desc.dtype
@@ -135,8 +135,12 @@ if gluon is not None:
             else:
                 gl.store(db_base + cols[:, None] * rank + db_ranks[None, :], scale * db, mask=db_mask)
         ds_rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_ds_layout))
-        gl.store(ds_part_ptr + split * M * rank + ds_rows[:, None] * rank + db_ranks[None, :], scale * ds,
-                 mask=(ds_rows[:, None] < M) & (db_ranks[None, :] < rank))
+        ds_offsets = ds_rows[:, None] * rank + db_ranks[None, :]
+        ds_mask = (ds_rows[:, None] < M) & (db_ranks[None, :] < rank)
+        if ATOMIC_DS:
+            gl.atomic_add(ds_part_ptr + ds_offsets, scale * ds, mask=ds_mask, sem="relaxed")
+        else:
+            gl.store(ds_part_ptr + split * M * rank + ds_offsets, scale * ds, mask=ds_mask)
 
 
 def expand_backward_gluon(dy, s, b_pieces, scale, sms):
@@ -158,14 +162,14 @@ def expand_backward_gluon(dy, s, b_pieces, scale, sms):
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
     b_desc = TensorDescriptor.from_tensor(b_pieces.reshape(P * N, r), [BLOCK_N, R],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
-    ds_part = torch.empty(splits, M, r, device=dy.device, dtype=torch.float32)
+    ds_part, atomic_ds = partial_sums(splits, (M, r), dy.device)
     atomic = atomic_partial_sums(row_blocks)
     db_part = (torch.zeros(N, r, device=dy.device, dtype=torch.float32) if atomic
                else torch.empty(row_blocks, N, r, device=dy.device, dtype=torch.float32))
     if not launch_or_fall_back("_expand_bwd", lambda: _expand_bwd[(row_blocks, splits)](
             dy_desc, b_desc, s.contiguous(), ds_part, db_part, M, N, r, scale, cols_per_split, P=P, R=R,
-            BUFFERS=buffers, ATOMIC_DB=atomic, A_IN_REGISTERS=a_in_registers, num_warps=WARPS)):
+            BUFFERS=buffers, ATOMIC_DS=atomic_ds, ATOMIC_DB=atomic, A_IN_REGISTERS=a_in_registers, num_warps=WARPS)):
         return None
-    ds = ds_part.sum(0) if splits > 1 else ds_part[0]
+    ds = summed(ds_part, atomic_ds)
     db = db_part if atomic else db_part.sum(0) if row_blocks > 1 else db_part[0]
     return ds, db

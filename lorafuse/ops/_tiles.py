@@ -5,6 +5,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 ADAPTER_MATH = ("exact", "fast")
 CPU_STAND_IN_SMS = 132  # Triton's interpreter has no SMs: plan as on an H100/H200, so CPU tests split alike
@@ -71,7 +72,33 @@ def lora_precision(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> str:
 def atomic_partial_sums(parts: int) -> bool:
     """Whether a kernel adds its `parts` partial sums of a small output (dB: [N, r]) into it with float32 atomics
     instead of writing them for a reduction afterwards: the partials cost a write and a read of parts x the output
-    (8192 rows, 14336 columns, r = 16: 59 MB each way) and a launch. Atomics add in no fixed order, so the last bits
+    (8192 rows, 14336 columns, r = 16: 59 MB each way) and a launch; on small outputs (s, ds, dA: [8192, 16]) the
+    reduction's launch still took 4.5 us (H100, torch.profiler). Atomics add in no fixed order, so the last bits
     vary from run to run: under torch.use_deterministic_algorithms(True) the partials are kept, as PyTorch does for
     its own atomic kernels."""
     return parts > 1 and not torch.are_deterministic_algorithms_enabled()
+
+
+def partial_sums(parts: int, shape, device) -> tuple[torch.Tensor, bool]:
+    """(buffer, atomic) for a kernel's `parts` float32 partial sums of an output of `shape`: with atomic
+    (atomic_partial_sums) the output itself, zeroed, which they add into (store_partial); else [parts, *shape] for
+    summed()."""
+    atomic = atomic_partial_sums(parts)
+    if atomic:
+        return torch.zeros(*shape, device=device, dtype=torch.float32), True
+    return torch.empty(parts, *shape, device=device, dtype=torch.float32), False
+
+
+def summed(buffer: torch.Tensor, atomic: bool) -> torch.Tensor:
+    """The output from partial_sums' buffer once the kernel has run."""
+    return buffer if atomic else buffer.sum(0) if buffer.shape[0] > 1 else buffer[0]
+
+
+@triton.jit
+def store_partial(buffer_ptr, part, part_size, offsets, value, mask, ATOMIC: tl.constexpr):
+    # partial sum number `part` of an output (partial_sums' buffer): added into it (ATOMIC), or stored at its place
+    # [part, ...] for summed()
+    if ATOMIC:
+        tl.atomic_add(buffer_ptr + offsets, value, mask=mask, sem="relaxed")
+    else:
+        tl.store(buffer_ptr + part * part_size + offsets, value, mask=mask)

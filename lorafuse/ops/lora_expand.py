@@ -14,7 +14,8 @@ import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
 from ._lora_expand_gluon import expand_backward_gluon, gluon_expand_backward_ready
-from ._tiles import atomic_partial_sums, lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
+from ._tiles import (atomic_partial_sums, lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count,
+                     split_in_blocks, store_partial, summed)
 from .activation import activate, activate_grad, activation_reference
 
 
@@ -57,11 +58,13 @@ def _expand_fwd(y_ptr, base_ptr, s_ptr, b_ptr, bias_ptr, z_ptr, M, N, rank, scal
 @triton.jit
 def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, dbias_part_ptr, M, N, rank, scale,
                 cols_per_split, ACT: tl.constexpr, STORE_G: tl.constexpr, STORE_DBIAS: tl.constexpr,
-                LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, ATOMIC_DB: tl.constexpr, R: tl.constexpr,
+                LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, ATOMIC_DS: tl.constexpr, ATOMIC_DB: tl.constexpr,
+                R: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     # dy, z, g: [M, N]; s: [M, rank] fp32; B: [N, rank] ([3, N, rank] bf16 pieces when ON_PIECES: ACT is 0)
-    # ds_part: [splits, M, rank], db_part: [row_blocks, rank, N] (dB transposed), dbias_part: [row_blocks, N] (fp32);
-    # ATOMIC_DB: db_part is dB^T itself, [rank, N] zeroed, and the row blocks add into it
+    # ds_part: partial_sums' buffer of [M, rank] over column splits, db_part: [row_blocks, rank, N] (dB transposed),
+    # dbias_part: [row_blocks, N] (fp32); ATOMIC_DB: db_part is dB^T itself, [rank, N] zeroed, and the row blocks
+    # add into it
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
     ranks = tl.arange(0, R)
@@ -113,8 +116,8 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
             tl.store(db_part_ptr + db_offs, scale * db_t, mask=db_mask)
         if STORE_DBIAS:
             tl.store(dbias_part_ptr + tl.program_id(0) * N + cols, tl.sum(g32, axis=0), mask=col_ok)
-    tl.store(ds_part_ptr + split * M * rank + rows[:, None] * rank + ranks[None, :], scale * ds,
-             mask=row_ok[:, None] & offs_rank_ok)
+    store_partial(ds_part_ptr, split, M * rank, rows[:, None] * rank + ranks[None, :], scale * ds,
+                  row_ok[:, None] & offs_rank_ok, ATOMIC_DS)
 
 
 def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z=False):
@@ -175,7 +178,7 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     cols_per_split, splits = split_in_blocks(N, block_n, min(triton.cdiv(N, 512), triton.cdiv(programs, row_blocks)))
     store_g = activation_id != 0
     g = torch.empty_like(dy) if store_g else dy
-    ds_part = torch.empty(splits, M, r, device=dy.device, dtype=torch.float32)
+    ds_part, atomic_ds = partial_sums(splits, (M, r), dy.device)
     atomic = atomic_partial_sums(row_blocks)
     db_part = (torch.zeros(r, N, device=dy.device, dtype=torch.float32) if atomic
                else torch.empty(row_blocks, r, N, device=dy.device, dtype=torch.float32))
@@ -183,10 +186,10 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     _expand_bwd[(row_blocks, splits)](
         dy, z, s, b_operand, g, ds_part, db_part, dbias_part, M, N, r, scale,
         cols_per_split, ACT=activation_id, STORE_G=store_g, STORE_DBIAS=need_dbias, LORA_FP32=fp32,
-        ON_PIECES=on_pieces, ATOMIC_DB=atomic, R=padded_rank(r),
+        ON_PIECES=on_pieces, ATOMIC_DS=atomic_ds, ATOMIC_DB=atomic, R=padded_rank(r),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dy.dtype, B.dtype),
         num_warps=warps, num_stages=stages)
-    ds = ds_part.sum(0) if splits > 1 else ds_part[0]
+    ds = summed(ds_part, atomic_ds)
     db = (db_part if atomic else db_part.sum(0) if row_blocks > 1 else db_part[0]).t()
     dbias = dbias_part.sum(0) if need_dbias else None
     return g, ds, db, dbias

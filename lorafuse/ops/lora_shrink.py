@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
-from ._tiles import lora_in_fp32, lora_precision, padded_rank, sm_count, split_in_blocks
+from ._tiles import (lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count, split_in_blocks,
+                     store_partial, summed)
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
 
 
@@ -25,10 +26,11 @@ def lora_shrink_reference(x, A, dropout_p=0.0, seed=None):
 
 @triton.jit
 def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_split, threshold, drop_scale,
-                HAS_DROPOUT: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, ATOMIC: tl.constexpr,
+                R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr,
+                PRECISION: tl.constexpr):
     # x: [M, K] (row stride stride_xm), A: [rank, K] contiguous ([3, rank, K] bf16 pieces when ON_PIECES),
-    # s: [splits, M, rank] fp32 partial sums over column splits of cols_per_split (a multiple of BLOCK_K)
+    # s: partial_sums' buffer of [M, rank] fp32 over column splits of cols_per_split (a multiple of BLOCK_K)
     # LORA_FP32: the product runs in fp32 (float32 adapters), else in x's 16-bit dtype
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
@@ -53,17 +55,17 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
             acc = tl.dot(x.to(cd), tl.trans(a.to(cd)), acc, input_precision=PRECISION)
     if HAS_DROPOUT:
         acc *= drop_scale
-    tl.store(s_ptr + split * M * rank + rows[:, None] * rank + ranks[None, :], acc,
-             mask=(rows[:, None] < M) & (ranks[None, :] < rank))
+    store_partial(s_ptr, split, M * rank, rows[:, None] * rank + ranks[None, :], acc,
+                  (rows[:, None] < M) & (ranks[None, :] < rank), ATOMIC)
 
 
 @triton.jit
 def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank, stride_xm, rows_per_split,
                 threshold, drop_scale, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr, LORA_FP32: tl.constexpr,
-                ON_PIECES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
+                ON_PIECES: tl.constexpr, ATOMIC: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
     # x: [M, K], ds: [M, rank] fp32, A: [rank, K] ([3, rank, K] bf16 pieces when ON_PIECES), dx: [M, K],
-    # da_part: [splits, rank, K] fp32
+    # da_part: partial_sums' buffer of [rank, K] fp32 over row splits
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     split = tl.program_id(1)
     ranks = tl.arange(0, R)
@@ -109,8 +111,8 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
                      mask=row_ok[:, None] & col_ok[None, :])
     if HAS_DROPOUT:
         acc *= drop_scale
-    tl.store(da_part_ptr + split * rank * K + ranks[None, :] * K + cols[:, None], acc,
-             mask=(ranks[None, :] < rank) & col_ok[:, None])
+    store_partial(da_part_ptr, split, rank * K, ranks[None, :] * K + cols[:, None], acc,
+                  (ranks[None, :] < rank) & col_ok[:, None], ATOMIC)
 
 
 def _shrink_config(M, math, masked, sms):
@@ -148,14 +150,14 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     # Fewer row blocks than programs (decode, or the mask's two programs per SM) split K: partial sums, added below.
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
-    s = torch.empty(splits, M, r, device=x.device, dtype=torch.float32)
+    s, atomic = partial_sums(splits, (M, r), x.device)
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_fwd[(row_blocks, splits)](
         x, a_arg, s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,
-        HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, R=padded_rank(r), BLOCK_M=block_m,
-        BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS, PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps,
-        num_stages=stages)
-    return s.sum(0) if splits > 1 else s[0]
+        HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, ATOMIC=atomic, R=padded_rank(r),
+        BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS, PRECISION=lora_precision(x.dtype, A.dtype),
+        num_warps=warps, num_stages=stages)
+    return summed(s, atomic)
 
 
 def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None):
@@ -182,7 +184,7 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     # At most `programs`: one more row split than fits in a wave left a second, nearly empty wave (x of
     # 8192 x 14336 with dropout and dx on an H200: 1120 programs 313 us, 1008 programs 234 us).
     rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), max(1, programs // k_blocks)))
-    da_part = torch.empty(splits, r, K, device=x.device, dtype=torch.float32)
+    da_part, atomic = partial_sums(splits, (r, K), x.device)
     threshold, drop_scale = dropout_args(dropout_p)
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
@@ -190,6 +192,6 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     _shrink_bwd[(k_blocks, splits)](
         x, ds, a_arg, dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,
         HAS_DROPOUT=dropout_p > 0.0, STORE_DX=dx_out is not None, LORA_FP32=fp32, ON_PIECES=on_pieces,
-        R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
+        ATOMIC=atomic, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
         PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)
-    return da_part.sum(0) if splits > 1 else da_part[0]
+    return summed(da_part, atomic)

@@ -174,8 +174,9 @@ def test_backward_tiling(config):
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dB", "deterministic"])
-def test_backward_adds_dB_with_atomics_unless_deterministic(deterministic, monkeypatch):
-    # Row blocks add their dB shares with float32 atomics (no partial sums to write and reduce), except under
+def test_backward_adds_dB_and_ds_with_atomics_unless_deterministic(deterministic, monkeypatch):
+    # Row blocks add their dB shares, column splits their ds shares with float32 atomics (no partial sums to write
+    # and reduce), except under
     # torch.use_deterministic_algorithms(True), where they write partials that a reduction sums in a fixed order.
     # Both give the exact gradient.
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
@@ -185,13 +186,14 @@ def test_backward_adds_dB_with_atomics_unless_deterministic(deterministic, monke
 
     class Spy:  # records how the kernel was launched, then launches it
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(kwargs["ATOMIC_DB"]) or kernel[grid](*args, **kwargs)
+            return lambda *args, **kwargs: (launched.append((kwargs["ATOMIC_DS"], kwargs["ATOMIC_DB"]))
+                                            or kernel[grid](*args, **kwargs))
 
     monkeypatch.setattr(lora_expand_module, "_expand_bwd", Spy())
-    m, n, r = 300, 600, 8  # 5 row blocks of 64
+    m, n, r = 300, 600, 8  # 5 row blocks of 64; ds over 2 column splits, added the same way
     inputs = random_inputs(m, n, r, torch.float32)
     dy = torch.randn(m, n)
-    _, ds, dB, _ = lora_expand_backward(dy, None, inputs["s"], inputs["B"], SCALE)
-    assert launched == [not deterministic]
+    _, ds, dB, _ = lora_expand_backward(dy, None, inputs["s"], inputs["B"], SCALE, config=(64, 64, 4, 2, 10))
+    assert launched == [(not deterministic, not deterministic)]
     exact = grads_at(torch.zeros(m, n, dtype=torch.float64), dy, inputs["s"], inputs["B"], "identity")
     assert_all_close({"s": ds, "B": dB}, {"s": exact["s"], "B": exact["B"]}, torch.float32)

@@ -1,11 +1,15 @@
 """lora_shrink: s = dropout(x) @ A^T (fp32), and lora_shrink_backward: dA = ds^T @ dropout(x) and the
 adapter's dx = keep * (ds @ A) * keep_scale, against float64 and lora_shrink_reference."""
+import importlib
+
 import pytest
 import torch
 
 from lorafuse.ops.dropout import keep_mask_reference, keep_scale
 from lorafuse.ops.lora_shrink import lora_shrink, lora_shrink_backward, lora_shrink_reference
 from tests.ops._helpers import BIG_SEED, DTYPES, assert_close, dtype_id, poison, seed_tensor
+
+lora_shrink_module = importlib.import_module("lorafuse.ops.lora_shrink")
 
 # (M, K, r): rows 1, 7, 113, 1023 (narrow); K not a multiple of the 64/128 column blocks
 # except 128 itself; ranks 1..64 (padded to 16 and 64 in the kernels).
@@ -130,3 +134,26 @@ def test_tiling_does_not_change_the_result(forward_config, backward_config):
     x, A = inputs(300, 100, 8, torch.float32)
     check_forward(x, A, 0.1, BIG_SEED, forward_config)
     check_backward(x, A, 0.1, BIG_SEED, backward_config)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_split_sums_add_with_atomics_unless_deterministic(deterministic, monkeypatch):
+    # s's column splits and dA's row splits add their shares into the output with float32 atomics (no partial sums to
+    # write and reduce in a launch of their own), except under torch.use_deterministic_algorithms(True), where they
+    # write partials that a reduction sums in a fixed order. Both give the exact result.
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    launched = []
+    for name in ("_shrink_fwd", "_shrink_bwd"):
+        kernel = getattr(lora_shrink_module, name)
+
+        class Spy:  # records how the kernel was launched, then launches it
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                return lambda *args, **kwargs: (launched.append((name, grid[1], kwargs["ATOMIC"]))
+                                                or kernel[grid](*args, **kwargs))
+
+        monkeypatch.setattr(lora_shrink_module, name, Spy())
+    x, A = inputs(600, 256, 8, torch.float32)
+    check_forward(x, A, 0.1, 5, config=(64, 64, 4, 2, 20))  # 10 row blocks, 2 column splits
+    check_backward(x, A, 0.1, 5, config=(64, 64, 4, 2, 8))  # 4 column blocks, 2 row splits
+    assert launched and all(splits == 2 and atomic is not deterministic for _, splits, atomic in launched)
+    assert {name for name, _, _ in launched} == {"_shrink_fwd", "_shrink_bwd"}
