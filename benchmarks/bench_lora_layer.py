@@ -120,32 +120,40 @@ def check_correctness():
             bound = 1e-5 if dtype == torch.float32 else 2 * e_torch + 1e-6
             if not (e <= bound):
                 failures.append(f"decode {act} {dtype}/{adapter_dtype} M={rows} y: {e:.2e} > {bound:.2e}")
-    # One CUDA-graph capture of forward+backward replays what eager computed.
+    # One CUDA-graph capture of forward+backward replays what eager computed: bit for bit under deterministic
+    # algorithms; else within float32 rounding, as split sums add with atomics in no fixed order (_tiles.partial_sums).
     layer = lorafuse.LoraLinear(nn.Linear(1000, 1500).cuda().to(torch.bfloat16), r=16, lora_alpha=32)
     nn.init.normal_(layer.lora_B["default"].weight, std=0.02)
     x = torch.randn(512, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(512, 1500, device="cuda", dtype=torch.bfloat16)
-    eager = torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
-    graph.replay()
-    torch.cuda.synchronize()
-    for e, c in zip(eager, captured):
-        if not torch.equal(e, c):
-            failures.append(f"CUDA graph replay differs from eager: {rel_err(c, e):.2e}")
-    # Inside a torch.compile'd model (inductor) the layer gives eager's numbers.
+    for deterministic in (True, False):
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        try:
+            eager = torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = torch.autograd.grad(layer(x), [x, layer.lora_A["default"].weight], gy)
+            graph.replay()
+            torch.cuda.synchronize()
+        finally:
+            torch.use_deterministic_algorithms(False)
+        for e, c in zip(eager, captured):
+            if not (torch.equal(e, c) if deterministic else rel_err(c, e) <= 1e-4):
+                failures.append(f"CUDA graph replay differs from eager (deterministic {deterministic}): "
+                                f"{rel_err(c, e):.2e}")
+    # Inside a torch.compile'd model (inductor) the layer gives eager's numbers (up to the atomics' order, as above).
     model = nn.Sequential(nn.LayerNorm(1000).cuda().to(torch.bfloat16), layer)
     eager = model(x)
     torch._dynamo.reset()
-    if not torch.equal(torch.compile(model)(x), eager):
-        failures.append("torch.compile'd model differs from eager")
+    compiled = torch.compile(model)(x)
+    if not rel_err(compiled, eager) <= 1e-4:
+        failures.append(f"torch.compile'd model differs from eager: {rel_err(compiled, eager):.2e}")
     print("correctness:", "all passed" if not failures else f"{len(failures)} FAILED")
     for f in failures:
         print("  FAIL", f)
