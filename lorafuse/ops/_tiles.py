@@ -79,11 +79,12 @@ def atomic_partial_sums(parts: int) -> bool:
     return parts > 1 and not torch.are_deterministic_algorithms_enabled()
 
 
-def partial_sums(parts: int, shape, device) -> tuple[torch.Tensor, bool]:
+def partial_sums(parts: int, shape, device, fixed_order: bool = False) -> tuple[torch.Tensor, bool]:
     """(buffer, atomic) for a kernel's `parts` float32 partial sums of an output of `shape`: with atomic
     (atomic_partial_sums) the output itself, zeroed, which they add into (store_partial); else [parts, *shape] for
-    summed()."""
-    atomic = atomic_partial_sums(parts)
+    summed(). fixed_order: an output that must not vary from run to run (a forward's: the same prompt gives the same
+    logits): atomics only for two parts, as 0 + a + b is the same float in either order."""
+    atomic = atomic_partial_sums(parts) and (parts <= 2 or not fixed_order)
     if atomic:
         return torch.zeros(*shape, device=device, dtype=torch.float32), True
     return torch.empty(parts, *shape, device=device, dtype=torch.float32), False

@@ -150,7 +150,7 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     # Fewer row blocks than programs (decode, or the mask's two programs per SM) split K: partial sums, added below.
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
-    s, atomic = partial_sums(splits, (M, r), x.device)
+    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True)
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_fwd[(row_blocks, splits)](
         x, a_arg, s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,

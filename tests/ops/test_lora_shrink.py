@@ -140,7 +140,8 @@ def test_tiling_does_not_change_the_result(forward_config, backward_config):
 def test_split_sums_add_with_atomics_unless_deterministic(deterministic, monkeypatch):
     # s's column splits and dA's row splits add their shares into the output with float32 atomics (no partial sums to
     # write and reduce in a launch of their own), except under torch.use_deterministic_algorithms(True), where they
-    # write partials that a reduction sums in a fixed order. Both give the exact result.
+    # write partials that a reduction sums in a fixed order; s, a forward's output, only for two splits (whose sum
+    # does not depend on the order). Both give the exact result.
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     launched = []
     for name in ("_shrink_fwd", "_shrink_bwd"):
@@ -155,5 +156,11 @@ def test_split_sums_add_with_atomics_unless_deterministic(deterministic, monkeyp
     x, A = inputs(600, 256, 8, torch.float32)
     check_forward(x, A, 0.1, 5, config=(64, 64, 4, 2, 20))  # 10 row blocks, 2 column splits
     check_backward(x, A, 0.1, 5, config=(64, 64, 4, 2, 8))  # 4 column blocks, 2 row splits
-    assert launched and all(splits == 2 and atomic is not deterministic for _, splits, atomic in launched)
-    assert {name for name, _, _ in launched} == {"_shrink_fwd", "_shrink_bwd"}
+    assert [name for name, _, _ in launched] == ["_shrink_fwd", "_shrink_bwd", "_shrink_bwd"]  # dA, then with dx
+    assert all(splits == 2 and atomic is not deterministic for _, splits, atomic in launched)
+    # More than two splits add in no fixed order: the forward's s (the same prompt, the same logits) keeps partials
+    launched.clear()
+    check_forward(x, A, 0.1, 5, config=(64, 64, 4, 2, 40))  # 4 column splits
+    check_backward(x, A, 0.1, 5, config=(64, 64, 4, 2, 12))  # 3 row splits
+    assert [(name, splits, atomic) for name, splits, atomic in launched] == [
+        ("_shrink_fwd", 4, False), ("_shrink_bwd", 3, not deterministic), ("_shrink_bwd", 3, not deterministic)]
