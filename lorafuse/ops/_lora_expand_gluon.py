@@ -13,13 +13,12 @@ products (rank <= 32; rank 64 runs out of registers that way and keeps A in shar
 r = 16, atomics in both: 126 us (Triton) -> 102 us (benchmarks/probe_expand_backward.py). Adapters in dy's dtype
 keep the Triton kernel, as fast or faster there.
 """
-import torch
 import triton
 
 from ._bf16_pieces import PIECES
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
-from ._tiles import atomic_partial_sums, partial_sums, summed
+from ._tiles import partial_sums, summed
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
 
@@ -163,13 +162,11 @@ def expand_backward_gluon(dy, s, b_pieces, scale, sms):
     b_desc = TensorDescriptor.from_tensor(b_pieces.reshape(P * N, r), [BLOCK_N, R],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
     ds_part, atomic_ds = partial_sums(splits, (M, r), dy.device)
-    atomic = atomic_partial_sums(row_blocks)
-    db_part = (torch.zeros(N, r, device=dy.device, dtype=torch.float32) if atomic
-               else torch.empty(row_blocks, N, r, device=dy.device, dtype=torch.float32))
+    db_part, atomic = partial_sums(row_blocks, (N, r), dy.device)
     if not launch_or_fall_back("_expand_bwd", lambda: _expand_bwd[(row_blocks, splits)](
             dy_desc, b_desc, s.contiguous(), ds_part, db_part, M, N, r, scale, cols_per_split, P=P, R=R,
             BUFFERS=buffers, ATOMIC_DS=atomic_ds, ATOMIC_DB=atomic, A_IN_REGISTERS=a_in_registers, num_warps=WARPS)):
         return None
     ds = summed(ds_part, atomic_ds)
-    db = db_part if atomic else db_part.sum(0) if row_blocks > 1 else db_part[0]
+    db = summed(db_part, atomic)
     return ds, db

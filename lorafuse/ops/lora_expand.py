@@ -14,8 +14,8 @@ import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
 from ._lora_expand_gluon import expand_backward_gluon, gluon_expand_backward_ready
-from ._tiles import (atomic_partial_sums, lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count,
-                     split_in_blocks, store_partial, summed)
+from ._tiles import (lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count, split_in_blocks,
+                     store_partial, summed)
 from .activation import activate, activate_grad, activation_reference
 
 
@@ -59,8 +59,7 @@ def _expand_fwd(y_ptr, base_ptr, s_ptr, b_ptr, bias_ptr, z_ptr, M, N, rank, scal
 def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, dbias_part_ptr, M, N, rank, scale,
                 cols_per_split, ACT: tl.constexpr, STORE_G: tl.constexpr, STORE_DBIAS: tl.constexpr,
                 LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, ATOMIC_DS: tl.constexpr, ATOMIC_DB: tl.constexpr,
-                R: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     # dy, z, g: [M, N]; s: [M, rank] fp32; B: [N, rank] ([3, N, rank] bf16 pieces when ON_PIECES: ACT is 0)
     # ds_part: partial_sums' buffer of [M, rank] over column splits, db_part: [row_blocks, rank, N] (dB transposed),
     # dbias_part: [row_blocks, N] (fp32); ATOMIC_DB: db_part is dB^T itself, [rank, N] zeroed, and the row blocks
@@ -179,9 +178,7 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     store_g = activation_id != 0
     g = torch.empty_like(dy) if store_g else dy
     ds_part, atomic_ds = partial_sums(splits, (M, r), dy.device)
-    atomic = atomic_partial_sums(row_blocks)
-    db_part = (torch.zeros(r, N, device=dy.device, dtype=torch.float32) if atomic
-               else torch.empty(row_blocks, r, N, device=dy.device, dtype=torch.float32))
+    db_part, atomic = partial_sums(row_blocks, (r, N), dy.device)
     dbias_part = torch.empty(row_blocks, N, device=dy.device, dtype=torch.float32) if need_dbias else None
     _expand_bwd[(row_blocks, splits)](
         dy, z, s, b_operand, g, ds_part, db_part, dbias_part, M, N, r, scale,
@@ -190,6 +187,6 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dy.dtype, B.dtype),
         num_warps=warps, num_stages=stages)
     ds = summed(ds_part, atomic_ds)
-    db = (db_part if atomic else db_part.sum(0) if row_blocks > 1 else db_part[0]).t()
+    db = summed(db_part, atomic).t()
     dbias = dbias_part.sum(0) if need_dbias else None
     return g, ds, db, dbias

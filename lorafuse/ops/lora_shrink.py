@@ -7,7 +7,6 @@ writes dx_lora = keep * (ds @ A) * keep_scale, the adapter's share of dx, in the
 (used when the dx GEMM runs on cuBLAS and adds into that buffer).
 float32 adapters on bf16 activations run as three bf16 dots on pieces of A and ds (_bf16_pieces.py).
 """
-import torch
 import triton
 import triton.language as tl
 
