@@ -1,4 +1,5 @@
 """What every benchmark shares: timing, environment tags and the results CSV of DESIGN.md."""
+import argparse
 import csv
 import datetime
 import logging
@@ -22,6 +23,15 @@ def environment():
     return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name().replace(",", " "),
             "torch": torch.__version__, "triton": triton.__version__, "transformers": tf_version,
             "command": " ".join(["python"] + [shlex.quote(a) for a in sys.argv])}
+
+
+def probe_args(doc: str) -> argparse.Namespace:
+    """The probes' command line: --rounds of time_alternating (30) and --out, the folder their CSV goes to ($OUT, or
+    the current one)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    return parser.parse_args()
 
 
 class LogWatch(logging.Handler):

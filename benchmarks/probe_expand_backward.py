@@ -13,14 +13,14 @@ as fast there). Outputs are checked against float64 first; CUDA graphs alternate
 <out>/expand_backward.csv (bench `expand_backward`, ratio to `triton_partials`, metric: read floor of dy in us at the
 copy bandwidth measured in the run).
 """
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import capture, environment, time_alternating, timing_rows, write_rows  # noqa: E402
+from benchmarks.common import (capture, environment, probe_args, time_alternating, timing_rows,  # noqa: E402
+                               write_rows)
 
 from lorafuse.ops._bf16_pieces import bf16_pieces  # noqa: E402
 from lorafuse.ops._lora_expand_gluon import expand_backward_gluon  # noqa: E402
@@ -70,10 +70,7 @@ def probe_case(n, r, adapter_dtype, rounds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
+    args = probe_args(__doc__)
     tags, rows = environment(), []
     gbps = copy_bandwidth(ROWS * max(WIDTHS) * 2)
     keys = ("triton_partials", "triton", "gluon_partials", "gluon")

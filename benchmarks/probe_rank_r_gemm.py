@@ -17,7 +17,6 @@ adapters (PEFT's default), 8192 rows, the layer bench's four shapes, forward (x 
 checked against float64 first; then CUDA graphs alternate call by call (benchmarks.common.time_alternating).
 Rows: <out>/rank_r_gemm.csv (DESIGN.md's schema; bench `rank_r_gemm`, ratio to cuBLAS).
 """
-import argparse
 import itertools
 import os
 import sys
@@ -28,7 +27,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import capture, environment, time_alternating, timing_rows, write_rows  # noqa: E402
+from benchmarks.common import (capture, environment, probe_args, time_alternating, timing_rows,  # noqa: E402
+                               write_rows)
 
 from lorafuse.ops._bf16_pieces import bf16_pieces_reference  # noqa: E402
 from lorafuse.ops.lora_matmul import _config, _tile_coords, lora_matmul  # noqa: E402
@@ -152,10 +152,7 @@ def probe_case(k_in, n_out_features, forward, rounds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
+    args = probe_args(__doc__)
     tags, rows, table = environment(), [], []
     for (k_in, n_out), forward in itertools.product(SHAPES, (True, False)):
         shape = f"M{ROWS}_K{k_in}_N{n_out}_r{RANK}"
@@ -167,7 +164,7 @@ def main():
         print(table[-1], flush=True)
     write_rows(rows, "rank_r_gemm", [args.out])
     keys = ["lora_matmul", "gluon", "plain_flat", *VARIANTS]
-    print(f"\nratio to cuBLAS (graph-replayed, alternating); errors: largest relative error to float64 of the variants")
+    print("\nratio to cuBLAS (graph-replayed, alternating); errors: largest relative error to float64 of the variants")
     print(f"{'case':30s} {'cuBLAS us':>9s} " + " ".join(f"{key:>20s}" for key in keys) + f" {'error':>8s}")
     for case, floor, ratios, errors in table:
         print(f"{case:30s} {floor * 1000:9.1f} " + " ".join(f"{ratios[key]:20.3f}" for key in keys)

@@ -8,14 +8,14 @@ includes its packing launches. Outputs are checked against float64 first (larges
 CUDA graphs alternate call by call (benchmarks.common.time_alternating). Rows: <out>/shrink_matmul.csv (DESIGN.md's
 schema; bench `shrink_matmul`, ratio to cuBLAS).
 """
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import capture, environment, time_alternating, timing_rows, write_rows  # noqa: E402
+from benchmarks.common import (capture, environment, probe_args, time_alternating, timing_rows,  # noqa: E402
+                               write_rows)
 
 from lorafuse.ops._shrink_matmul_gluon import shrink_matmul_gluon, shrink_matmul_ready  # noqa: E402
 from lorafuse.ops._tiles import sm_count  # noqa: E402
@@ -60,10 +60,7 @@ def probe_case(k_in, n_out, adapter_dtype, rounds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
+    args = probe_args(__doc__)
     tags, rows, table = environment(), [], []
     for (k_in, n_out) in SHAPES:
         for adapter_dtype, adapters in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):

@@ -51,7 +51,7 @@ def new_seed(device) -> torch.Tensor:
 
 
 @triton.jit
-def _philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
+def philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
     for _ in tl.static_range(ROUNDS):
         _c0 = c0
         _c2 = c2
@@ -75,7 +75,7 @@ def keep_tile(seed_ptr, rows, col_start, THRESHOLD, BLOCK_K: tl.constexpr, ROUND
     c0 = tl.zeros([rows.shape[0], BLOCK_K // 8], tl.uint32) + groups[None, :]
     c1 = tl.zeros([rows.shape[0], BLOCK_K // 8], tl.uint32) + rows.to(tl.uint32)[:, None]
     zero = tl.zeros([rows.shape[0], BLOCK_K // 8], tl.uint32)
-    w0, w1, w2, w3 = _philox(c0, c1, zero, zero, k0, k1, ROUNDS)
+    w0, w1, w2, w3 = philox(c0, c1, zero, zero, k0, k1, ROUNDS)
     # tl.join appends its new axis last, so column 8g + 4h + 2i + t takes half h of word 2t + i.
     lo = tl.join(tl.join(w0 & 0xFFFF, w0 >> 16), tl.join(w1 & 0xFFFF, w1 >> 16))
     hi = tl.join(tl.join(w2 & 0xFFFF, w2 >> 16), tl.join(w3 & 0xFFFF, w3 >> 16))

@@ -11,6 +11,8 @@ for real.
   g W, one wave of tiles or several tiles per program.
 - lora_expand_backward's Gluon kernel (Hopper, float32 adapters as bf16 pieces) against float64: odd edges, ranks
   8-64, dB added with atomics or as partial sums (deterministic mode).
+- lora_shrink_backward's Gluon kernel for dropout with the dx term (Hopper, float32 adapters as bf16 pieces) against
+  float64 and the reference mask: odd edges, ranks 8-32, dA added with atomics or as partial sums.
 
 Run on the GPU machine in the op tests' GPU mode:
     LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest -q tests/ops/test_gpu_routes.py
@@ -22,9 +24,11 @@ import torch
 
 from lorafuse.ops import lora_linear, lora_linear_reference
 from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
+from lorafuse.ops.dropout import keep_mask_reference, keep_scale
 from lorafuse.ops.lora_expand import lora_expand_backward
 from lorafuse.ops.lora_matmul import fills_the_gpu, lora_matmul, lora_matmul_reference, tma_ready
-from tests.ops._helpers import assert_close
+from lorafuse.ops.lora_shrink import lora_shrink_backward
+from tests.ops._helpers import BIG_SEED, assert_close, poison, seed_tensor
 from tests.ops.test_lora_linear import check
 
 if torch.get_default_device().type != "cuda" or not torch.cuda.is_available():
@@ -34,7 +38,18 @@ if torch.get_default_device().type != "cuda" or not torch.cuda.is_available():
 lora_linear_module = importlib.import_module("lorafuse.ops.lora_linear")
 lora_matmul_module = importlib.import_module("lorafuse.ops.lora_matmul")
 lora_expand_module = importlib.import_module("lorafuse.ops.lora_expand")
+lora_shrink_module = importlib.import_module("lorafuse.ops.lora_shrink")
 SCALE = 0.7
+
+
+def count_calls(monkeypatch, module, launcher: str, deterministic: bool) -> list:
+    """A list that gains an item whenever module.<launcher> (a Gluon kernel's launcher) runs; deterministic
+    algorithms on or off for the test."""
+    calls = []
+    real = getattr(module, launcher)
+    monkeypatch.setattr(module, launcher, lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    return calls
 
 
 def test_launch_bound_eagerly_and_kernels_under_capture(monkeypatch):
@@ -147,10 +162,7 @@ def test_gluon_expand_backward_matches_float64(m, n, r, deterministic, monkeypat
     # ds = scale * dy B and dB = scale * dy^T s for float32 adapters on bf16 dy (PEFT's default); rows and columns
     # not multiples of the 128 x 64 tiles, several column splits (partial ds sums) and row blocks (dB added with
     # atomics, or partial sums under torch.use_deterministic_algorithms).
-    calls = []
-    real = lora_expand_module.expand_backward_gluon
-    monkeypatch.setattr(lora_expand_module, "expand_backward_gluon", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    calls = count_calls(monkeypatch, lora_expand_module, "expand_backward_gluon", deterministic)
     dy = torch.randn(m, n, dtype=torch.bfloat16)
     s = torch.randn(m, r)
     B = torch.randn(n, r) / r**0.5
@@ -161,3 +173,28 @@ def test_gluon_expand_backward_matches_float64(m, n, r, deterministic, monkeypat
     for name, got in (("s", ds), ("B", dB)):
         assert got.dtype == torch.float32
         assert_close(got, exact[name], torch.float32, plain[name], name)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel runs on compute capability 9")
+@pytest.mark.parametrize("m, k", [(300, 776), (4100, 8200)], ids=["small", "many_programs"])
+@pytest.mark.parametrize("r", [8, 16, 24, 32])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dA", "deterministic"])
+def test_gluon_shrink_backward_matches_float64(m, k, r, deterministic, monkeypatch):
+    # dA = ds^T (x * keep) * keep_scale and dx's term keep * keep_scale * (ds A) for float32 adapters on bf16 x
+    # (PEFT's default) with dropout; rows and columns not multiples of the 64 x 128 tiles, several row splits (dA
+    # added with atomics, or partial sums under torch.use_deterministic_algorithms).
+    calls = count_calls(monkeypatch, lora_shrink_module, "shrink_backward_gluon", deterministic)
+    p = 0.1
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    A = torch.randn(r, k) / k**0.5
+    ds = torch.randn(m, r)
+    dx = poison(torch.empty_like(x))
+    dA = lora_shrink_backward(ds, x, A, p, seed_tensor(BIG_SEED), dx_out=dx)
+    assert calls == [1] and dA.dtype == torch.float32 and dA.shape == A.shape
+    factor = keep_mask_reference(BIG_SEED, m, k, p).double() * keep_scale(p)
+    # the bar is PEFT's float32 adapter path: x upcast, dx cast to x's dtype
+    assert_close(dA, ds.double().t() @ (x.double() * factor), torch.bfloat16, ds.t() @ (x.float() * factor.float()),
+                 "dA")
+    assert_close(dx, (ds.double() @ A.double()) * factor, torch.bfloat16,
+                 ((ds @ A) * factor.float()).to(torch.bfloat16), "dx")
+    assert torch.equal(dx != 0, factor != 0)  # the kernel's mask is the reference mask

@@ -1,0 +1,179 @@
+"""lora_shrink_backward's dropout pass on Hopper, in Gluon: dA = drop_scale * ds^T (x * keep) and the adapter's share
+of dx, keep * drop_scale * (ds A), in one pass over x. Its reference is lora_shrink_backward's (the autograd of
+lora_shrink_reference, and the masked dx term that lora_linear_reference's backward holds).
+
+Covers float32 adapters on bf16 x (PEFT's default) as bf16 pieces, as the Triton kernel computes them: dA from the
+three piece products of ds, smallest first into a fresh accumulator joined with one rounded add; dx from the three
+largest piece products (hi A_hi + hi A_mid + mid A_hi), rounded once to bf16 after drop_scale.
+
+Why: the Triton kernel draws the mask in one register layout and needs it in two more (x's, and the dx product's),
+and the compiler moves the Philox words and the mask between them through shared memory: at 8192 x 4096 it took
+75 us where torch's copy of the same bytes (x read, dx written) takes 48 (H100, benchmarks/probe_pass_floor.py).
+Here every elementwise step runs in one layout, 8 neighbouring columns a thread (one Philox call's eight draws):
+x is read from its TMA tile in it, masked there and written back for dA's MMA, and the dx product is moved into it
+once, as bf16, to be masked and stored.
+"""
+import triton
+
+from ._bf16_pieces import PIECES
+from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
+                     ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
+from ._tiles import partial_sums, split_in_blocks, summed
+from .dropout import PHILOX_ROUNDS, dropout_args, philox
+
+BLOCK_M, BLOCK_K, BUFFERS, WARPS = 64, 128, 3, 4
+
+
+def gluon_shrink_backward_ready(x, A, dropout_p, dx_out, pieces) -> bool:
+    """Whether lora_shrink_backward takes the Gluon kernel: Hopper, dropout with the dx term, float32 adapters as bf16
+    pieces on bf16 x, rank 8-32 in steps of 8, x contiguous with K a multiple of 8 (TMA's 16-byte rows) and 16-byte
+    aligned, dx_out alike, at least one row block."""
+    # x: [M, K], A: [r, K], dx_out: [M, K] or None
+    if not runs_gluon_hopper(x) or dx_out is None or dropout_p == 0.0 or not pieces:
+        return False
+    M, K, r = x.shape[0], x.shape[1], A.shape[0]
+    return (r % 8 == 0 and r <= 32 and K % 8 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and dx_out.is_contiguous() and M >= BLOCK_M)
+
+
+if gluon is not None:
+    @gluon.jit
+    def _keep(seed_ptr, m0, k0, threshold, BM: gl.constexpr, BK: gl.constexpr, words_layout: gl.constexpr,
+              layout: gl.constexpr, ROUNDS: gl.constexpr):
+        # The [BM, BK] keep mask (0 or 1 in bf16) of rows m0..., columns k0... in `layout` (8 neighbouring columns a
+        # thread), as dropout.keep_tile draws it: Philox on (column group, row) in words_layout (a call a thread),
+        # eight 16-bit draws a call.
+        rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, words_layout))
+        groups = k0 // 8 + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, words_layout))
+        seed = gl.load(seed_ptr).to(gl.uint64)
+        c0 = gl.zeros([BM, BK // 8], gl.uint32, words_layout) + groups.to(gl.uint32)[None, :]
+        c1 = gl.zeros([BM, BK // 8], gl.uint32, words_layout) + rows.to(gl.uint32)[:, None]
+        zero = gl.zeros([BM, BK // 8], gl.uint32, words_layout)
+        w0, w1, w2, w3 = philox(c0, c1, zero, zero, (seed & 0xFFFFFFFF).to(gl.uint32), (seed >> 32).to(gl.uint32),
+                                ROUNDS)
+        lo = gl.join(gl.join(w0 & 0xFFFF, w0 >> 16), gl.join(w1 & 0xFFFF, w1 >> 16))
+        hi = gl.join(gl.join(w2 & 0xFFFF, w2 >> 16), gl.join(w3 & 0xFFFF, w3 >> 16))
+        draws = gl.convert_layout(gl.reshape(gl.join(lo, hi), [BM, BK]), layout)
+        return (draws >= threshold).to(gl.bfloat16)
+
+    @gluon.jit
+    def _shrink_bwd_dropout(x_desc, a_desc, ds_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank, rows_per_split,
+                            threshold, drop_scale, P: gl.constexpr, R: gl.constexpr, BUFFERS: gl.constexpr, ATOMIC: gl.constexpr,
+                            ROUNDS: gl.constexpr, num_warps: gl.constexpr):
+        # x: [M, K] bf16 in [BM, BK] boxes; A: [3 * rank, K] (its bf16 pieces stacked) in [R, BK] boxes; ds: [M, rank]
+        # fp32; dx: [M, K] bf16 (the adapter's masked term, written); da_part: partial_sums' buffer of [rank, K] fp32
+        # over row splits. Program (i, j): columns i * BK..., rows j * rows_per_split... in steps of BM.
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        dtype: gl.constexpr = x_desc.dtype
+        k0 = gl.program_id(0) * BK
+        split = gl.program_id(1)
+        m_first = split * rows_per_split
+        steps = gl.cdiv(gl.minimum(M - m_first, rows_per_split), BM)
+
+        x_ring = gl.allocate_shared_memory(dtype, [BUFFERS, BM, BK], x_desc.layout)
+        ready = ready_barriers(BUFFERS)
+        for s in gl.static_range(BUFFERS - 1):
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes, pred=s < steps)
+            tma.async_copy_global_to_shared(x_desc, [m_first + s * BM, k0], ready.index(s), x_ring.index(s),
+                                            s < steps)
+        # A's hi and mid pieces at these columns: dx's B operands ([R, BK], K = the rank), loaded once
+        a_pieces = gl.allocate_shared_memory(dtype, [2, R, BK], a_desc.layout)
+        a_bar = ready_barriers(1)
+        mbarrier.expect(a_bar.index(0), 2 * a_desc.block_type.nbytes)
+        for p in gl.static_range(2):
+            tma.async_copy_global_to_shared(a_desc, [p * rank, k0], a_bar.index(0), a_pieces.index(p))
+        mbarrier.wait(a_bar.index(0), 0)
+
+        # elementwise work: 8 neighbouring columns a thread, a warp's rows 16 groups wide
+        x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [num_warps, 1], [1, 0])
+        words_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // (BK // 8), BK // 8], [num_warps, 1], [1, 0])
+        ds_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (R // 4), R // 4], [num_warps, 1], [1, 0])
+        ds_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, R], dtype)
+        ds_pieces = gl.allocate_shared_memory(dtype, [P, BM, R], ds_smem_layout)
+        da_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, R, 16])
+        dx_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BK, 16])
+        da = gl.zeros((BK, R), gl.float32, da_layout)
+        ds_cols = gl.arange(0, R, layout=gl.SliceLayout(0, ds_layout))
+        x_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
+        x_cols = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, x_layout))
+        ds_rows = m_first + gl.arange(0, BM, layout=gl.SliceLayout(1, ds_layout))
+        ds_next = gl.load(ds_ptr + ds_rows[:, None] * rank + ds_cols[None, :],
+                          mask=(ds_rows[:, None] < M) & (ds_cols[None, :] < rank), other=0.0)
+        for i in range(steps):
+            m0 = m_first + i * BM
+            # the slot of step i - 1, whose MMAs have completed
+            nxt = i + BUFFERS - 1
+            mbarrier.expect(ready.index(nxt % BUFFERS), x_desc.block_type.nbytes, pred=nxt < steps)
+            tma.async_copy_global_to_shared(x_desc, [m_first + nxt * BM, k0], ready.index(nxt % BUFFERS),
+                                            x_ring.index(nxt % BUFFERS), nxt < steps)
+            # ds's rows as bf16 pieces in shared memory: dA's B operands and dx's A operands; the next step's rows
+            # are loaded now, so that their latency hides behind this step
+            rest = ds_next
+            ds_rows += BM
+            ds_next = gl.load(ds_ptr + ds_rows[:, None] * rank + ds_cols[None, :],
+                              mask=(ds_rows[:, None] < gl.minimum(M, m_first + steps * BM)) &
+                              (ds_cols[None, :] < rank), other=0.0)
+            for p in gl.static_range(P):
+                piece = rest.to(dtype)
+                ds_pieces.index(p).store(piece)
+                rest = rest - piece.to(gl.float32)
+            fence_async_shared()
+            gl.thread_barrier()
+            # dx's product runs while the mask is drawn
+            dx = warpgroup_mma(ds_pieces.index(1), a_pieces.index(0), gl.zeros((BM, BK), gl.float32, dx_layout),
+                               is_async=True)
+            dx = warpgroup_mma(ds_pieces.index(0), a_pieces.index(1), dx, is_async=True)
+            dx = warpgroup_mma(ds_pieces.index(0), a_pieces.index(0), dx, is_async=True)
+            keep = _keep(seed_ptr, m0, k0, threshold, BM, BK, words_layout, x_layout, ROUNDS)
+            slot = i % BUFFERS
+            mbarrier.wait(ready.index(slot), i // BUFFERS & 1)
+            tile = x_ring.index(slot)
+            tile.store(tile.load(x_layout) * keep)  # x * mask, as the reference multiplies (NaN and inf stay)
+            fence_async_shared()
+            gl.thread_barrier()
+            # dA^T's rows of these columns: (x * keep)^T @ ds, smallest piece first into a fresh accumulator
+            part = gl.zeros((BK, R), gl.float32, da_layout)
+            for p in gl.static_range(P):
+                part = warpgroup_mma(tile.permute((1, 0)), ds_pieces.index(P - 1 - p), part, is_async=True)
+            dx, part = warpgroup_mma_wait(num_outstanding=0, deps=(dx, part))
+            da += part
+            masked = gl.convert_layout((dx * drop_scale).to(dtype), x_layout) * keep  # one rounding, then exact
+            rows = m0 + x_rows
+            gl.store(dx_ptr + rows[:, None].to(gl.int64) * K + x_cols[None, :], masked,
+                     mask=(rows[:, None] < M) & (x_cols[None, :] < K))
+        da_cols = k0 + gl.arange(0, BK, layout=gl.SliceLayout(1, da_layout))
+        da_ranks = gl.arange(0, R, layout=gl.SliceLayout(0, da_layout))
+        offsets = da_ranks[None, :] * K + da_cols[:, None]
+        mask = (da_ranks[None, :] < rank) & (da_cols[:, None] < K)
+        if ATOMIC:
+            gl.atomic_add(da_part_ptr + offsets, drop_scale * da, mask=mask, sem="relaxed")
+        else:
+            gl.store(da_part_ptr + split * rank * K + offsets, drop_scale * da, mask=mask)
+
+
+def shrink_backward_gluon(ds, x, a_pieces, dropout_p, seed, dx_out, sms):
+    """dA of lora_shrink_backward with dropout, writing dx_out's masked term, through _shrink_bwd_dropout
+    (gluon_shrink_backward_ready holds); None if the kernel failed to run the first time
+    (_gluon.launch_or_fall_back)."""
+    # ds: [M, r] fp32, x: [M, K] bf16 contiguous, a_pieces: [3, r, K] bf16 (A's pieces), dx_out: [M, K] bf16
+    M, K = x.shape
+    r = a_pieces.shape[1]
+    R = max(16, triton.next_power_of_2(r))
+    dtype = gl.bfloat16
+    k_blocks = triton.cdiv(K, BLOCK_K)
+    # about two programs an SM (each 3 x 16 KB of ring): row splits of at least 256 rows, as the Triton kernel's
+    rows_per_split, splits = split_in_blocks(M, BLOCK_M, min(triton.cdiv(M, 256), max(1, 2 * sms // k_blocks)))
+    x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    a_desc = TensorDescriptor.from_tensor(a_pieces.reshape(PIECES * r, K), [R, BLOCK_K],
+                                          gl.NVMMASharedLayout.get_default_for([R, BLOCK_K], dtype))
+    da_part, atomic = partial_sums(splits, (r, K), x.device)
+    threshold, drop_scale = dropout_args(dropout_p)
+    if not launch_or_fall_back("_shrink_bwd_dropout", lambda: _shrink_bwd_dropout[(k_blocks, splits)](
+            x_desc, a_desc, ds.contiguous(), dx_out, da_part, seed, M, K, r, rows_per_split, threshold, drop_scale,
+            P=PIECES, R=R, BUFFERS=BUFFERS, ATOMIC=atomic, ROUNDS=PHILOX_ROUNDS, num_warps=WARPS)):
+        return None
+    return summed(da_part, atomic)
