@@ -2,9 +2,12 @@
 of dx, keep * drop_scale * (ds A), in one pass over x. Its reference is lora_shrink_backward's (the autograd of
 lora_shrink_reference, and the masked dx term that lora_linear_reference's backward holds).
 
-Covers float32 adapters on bf16 x (PEFT's default) as bf16 pieces, as the Triton kernel computes them: dA from the
-three piece products of ds, smallest first into a fresh accumulator joined with one rounded add; dx from the three
-largest piece products (hi A_hi + hi A_mid + mid A_hi), rounded once to bf16 after drop_scale.
+Covers what the Triton kernel computes in 16-bit products, in the same order:
+- float32 adapters on bf16 x (PEFT's default), as bf16 pieces: dA from the three piece products of ds, smallest first
+  into a fresh accumulator joined with one rounded add; dx from the three largest piece products (hi A_hi + hi A_mid
+  + mid A_hi), rounded once to x's dtype after drop_scale;
+- 16-bit adapter math (adapters in x's dtype, or rounded to it: LORAFUSE_ADAPTER_MATH=fast): ds and A rounded to x's
+  dtype, one product each.
 
 Why: the Triton kernel draws the mask in one register layout and needs it in two more (x's, and the dx product's),
 and the compiler moves the Philox words and the mask between them through shared memory: at 8192 x 4096 it took
@@ -13,9 +16,9 @@ Here every elementwise step runs in one layout, 8 neighbouring columns a thread 
 x is read from its TMA tile in it, masked there and written back for dA's MMA, and the dx product is moved into it
 once, as bf16, to be masked and stored.
 """
+import torch
 import triton
 
-from ._bf16_pieces import PIECES
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import partial_sums, split_in_blocks, summed
@@ -24,12 +27,14 @@ from .dropout import PHILOX_ROUNDS, dropout_args, philox
 BLOCK_M, BLOCK_K, BUFFERS, WARPS = 64, 128, 3, 4
 
 
-def gluon_shrink_backward_ready(x, A, dropout_p, dx_out, pieces) -> bool:
-    """Whether lora_shrink_backward takes the Gluon kernel: Hopper, dropout with the dx term, float32 adapters as bf16
-    pieces on bf16 x, rank 8-32 in steps of 8, x contiguous with K a multiple of 8 (TMA's 16-byte rows) and 16-byte
-    aligned, dx_out alike, at least one row block."""
+def gluon_shrink_backward_ready(x, A, dropout_p, dx_out, pieces, fp32_math) -> bool:
+    """Whether lora_shrink_backward takes the Gluon kernel: Hopper, dropout with the dx term, bf16 or fp16 x, the
+    products in 16 bits (float32 adapters as bf16 pieces, or 16-bit adapter math), rank 8-32 in steps of 8, x
+    contiguous with K a multiple of 8 (TMA's 16-byte rows) and 16-byte aligned, dx_out alike, at least one row
+    block."""
     # x: [M, K], A: [r, K], dx_out: [M, K] or None
-    if not runs_gluon_hopper(x) or dx_out is None or dropout_p == 0.0 or not pieces:
+    sixteen_bits = pieces or (x.dtype in (torch.bfloat16, torch.float16) and not fp32_math)
+    if not runs_gluon_hopper(x) or dx_out is None or dropout_p == 0.0 or not sixteen_bits:
         return False
     M, K, r = x.shape[0], x.shape[1], A.shape[0]
     return (r % 8 == 0 and r <= 32 and K % 8 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0
@@ -39,8 +44,8 @@ def gluon_shrink_backward_ready(x, A, dropout_p, dx_out, pieces) -> bool:
 if gluon is not None:
     @gluon.jit
     def _keep(seed_ptr, m0, k0, threshold, BM: gl.constexpr, BK: gl.constexpr, words_layout: gl.constexpr,
-              layout: gl.constexpr, ROUNDS: gl.constexpr):
-        # The [BM, BK] keep mask (0 or 1 in bf16) of rows m0..., columns k0... in `layout` (8 neighbouring columns a
+              layout: gl.constexpr, dtype: gl.constexpr, ROUNDS: gl.constexpr):
+        # The [BM, BK] keep mask (0 or 1 in dtype) of rows m0..., columns k0... in `layout` (8 neighbouring columns a
         # thread), as dropout.keep_tile draws it: Philox on (column group, row) in words_layout (a call a thread),
         # eight 16-bit draws a call.
         rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, words_layout))
@@ -54,15 +59,16 @@ if gluon is not None:
         lo = gl.join(gl.join(w0 & 0xFFFF, w0 >> 16), gl.join(w1 & 0xFFFF, w1 >> 16))
         hi = gl.join(gl.join(w2 & 0xFFFF, w2 >> 16), gl.join(w3 & 0xFFFF, w3 >> 16))
         draws = gl.convert_layout(gl.reshape(gl.join(lo, hi), [BM, BK]), layout)
-        return (draws >= threshold).to(gl.bfloat16)
+        return (draws >= threshold).to(dtype)
 
     @gluon.jit
     def _shrink_bwd_dropout(x_desc, a_desc, ds_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank, rows_per_split,
-                            threshold, drop_scale, P: gl.constexpr, R: gl.constexpr, BUFFERS: gl.constexpr, ATOMIC: gl.constexpr,
-                            ROUNDS: gl.constexpr, num_warps: gl.constexpr):
-        # x: [M, K] bf16 in [BM, BK] boxes; A: [3 * rank, K] (its bf16 pieces stacked) in [R, BK] boxes; ds: [M, rank]
-        # fp32; dx: [M, K] bf16 (the adapter's masked term, written); da_part: partial_sums' buffer of [rank, K] fp32
-        # over row splits. Program (i, j): columns i * BK..., rows j * rows_per_split... in steps of BM.
+                            threshold, drop_scale, P: gl.constexpr, R: gl.constexpr, BUFFERS: gl.constexpr,
+                            ATOMIC: gl.constexpr, ROUNDS: gl.constexpr, num_warps: gl.constexpr):
+        # x: [M, K] 16-bit in [BM, BK] boxes; A: [P * rank, K] in x's dtype (P = 3: its bf16 pieces stacked) in
+        # [R, BK] boxes; ds: [M, rank] fp32; dx: [M, K] in x's dtype (the adapter's masked term, written); da_part:
+        # partial_sums' buffer of [rank, K] fp32 over row splits. Program (i, j): columns i * BK..., rows
+        # j * rows_per_split... in steps of BM.
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         dtype: gl.constexpr = x_desc.dtype
@@ -77,11 +83,12 @@ if gluon is not None:
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes, pred=s < steps)
             tma.async_copy_global_to_shared(x_desc, [m_first + s * BM, k0], ready.index(s), x_ring.index(s),
                                             s < steps)
-        # A's hi and mid pieces at these columns: dx's B operands ([R, BK], K = the rank), loaded once
-        a_pieces = gl.allocate_shared_memory(dtype, [2, R, BK], a_desc.layout)
+        # A at these columns (its hi and mid pieces): dx's B operands ([R, BK], K = the rank), loaded once
+        A_TILES: gl.constexpr = 2 if P == 3 else 1
+        a_pieces = gl.allocate_shared_memory(dtype, [A_TILES, R, BK], a_desc.layout)
         a_bar = ready_barriers(1)
-        mbarrier.expect(a_bar.index(0), 2 * a_desc.block_type.nbytes)
-        for p in gl.static_range(2):
+        mbarrier.expect(a_bar.index(0), A_TILES * a_desc.block_type.nbytes)
+        for p in gl.static_range(A_TILES):
             tma.async_copy_global_to_shared(a_desc, [p * rank, k0], a_bar.index(0), a_pieces.index(p))
         mbarrier.wait(a_bar.index(0), 0)
 
@@ -109,8 +116,8 @@ if gluon is not None:
             mbarrier.expect(ready.index(nxt % BUFFERS), x_desc.block_type.nbytes, pred=nxt < steps)
             tma.async_copy_global_to_shared(x_desc, [m_first + nxt * BM, k0], ready.index(nxt % BUFFERS),
                                             x_ring.index(nxt % BUFFERS), nxt < steps)
-            # ds's rows as bf16 pieces in shared memory: dA's B operands and dx's A operands; the next step's rows
-            # are loaded now, so that their latency hides behind this step
+            # ds's rows in x's dtype (P pieces) in shared memory: dA's B operands and dx's A operands; the next step's
+            # rows are loaded now, so that their latency hides behind this step
             rest = ds_next
             ds_rows += BM
             ds_next = gl.load(ds_ptr + ds_rows[:, None] * rank + ds_cols[None, :],
@@ -123,11 +130,12 @@ if gluon is not None:
             fence_async_shared()
             gl.thread_barrier()
             # dx's product runs while the mask is drawn
-            dx = warpgroup_mma(ds_pieces.index(1), a_pieces.index(0), gl.zeros((BM, BK), gl.float32, dx_layout),
-                               is_async=True)
-            dx = warpgroup_mma(ds_pieces.index(0), a_pieces.index(1), dx, is_async=True)
+            dx = gl.zeros((BM, BK), gl.float32, dx_layout)
+            if P == 3:
+                dx = warpgroup_mma(ds_pieces.index(1), a_pieces.index(0), dx, is_async=True)
+                dx = warpgroup_mma(ds_pieces.index(0), a_pieces.index(1), dx, is_async=True)
             dx = warpgroup_mma(ds_pieces.index(0), a_pieces.index(0), dx, is_async=True)
-            keep = _keep(seed_ptr, m0, k0, threshold, BM, BK, words_layout, x_layout, ROUNDS)
+            keep = _keep(seed_ptr, m0, k0, threshold, BM, BK, words_layout, x_layout, dtype, ROUNDS)
             slot = i % BUFFERS
             mbarrier.wait(ready.index(slot), i // BUFFERS & 1)
             tile = x_ring.index(slot)
@@ -158,22 +166,23 @@ def shrink_backward_gluon(ds, x, a_pieces, dropout_p, seed, dx_out, sms):
     """dA of lora_shrink_backward with dropout, writing dx_out's masked term, through _shrink_bwd_dropout
     (gluon_shrink_backward_ready holds); None if the kernel failed to run the first time
     (_gluon.launch_or_fall_back)."""
-    # ds: [M, r] fp32, x: [M, K] bf16 contiguous, a_pieces: [3, r, K] bf16 (A's pieces), dx_out: [M, K] bf16
+    # ds: [M, r] fp32, x: [M, K] 16-bit contiguous, a_pieces: [P, r, K] in x's dtype (P = 3: A's bf16 pieces; P = 1:
+    # A rounded to x's dtype), dx_out: [M, K] like x
     M, K = x.shape
-    r = a_pieces.shape[1]
+    pieces, r = a_pieces.shape[0], a_pieces.shape[1]
     R = max(16, triton.next_power_of_2(r))
-    dtype = gl.bfloat16
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     k_blocks = triton.cdiv(K, BLOCK_K)
     # about two programs an SM (each 3 x 16 KB of ring): row splits of at least 256 rows, as the Triton kernel's
     rows_per_split, splits = split_in_blocks(M, BLOCK_M, min(triton.cdiv(M, 256), max(1, 2 * sms // k_blocks)))
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
-    a_desc = TensorDescriptor.from_tensor(a_pieces.reshape(PIECES * r, K), [R, BLOCK_K],
+    a_desc = TensorDescriptor.from_tensor(a_pieces.reshape(pieces * r, K), [R, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([R, BLOCK_K], dtype))
     da_part, atomic = partial_sums(splits, (r, K), x.device)
     threshold, drop_scale = dropout_args(dropout_p)
     if not launch_or_fall_back("_shrink_bwd_dropout", lambda: _shrink_bwd_dropout[(k_blocks, splits)](
             x_desc, a_desc, ds.contiguous(), dx_out, da_part, seed, M, K, r, rows_per_split, threshold, drop_scale,
-            P=PIECES, R=R, BUFFERS=BUFFERS, ATOMIC=atomic, ROUNDS=PHILOX_ROUNDS, num_warps=WARPS)):
+            P=pieces, R=R, BUFFERS=BUFFERS, ATOMIC=atomic, ROUNDS=PHILOX_ROUNDS, num_warps=WARPS)):
         return None
     return summed(da_part, atomic)

@@ -171,8 +171,9 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     a_arg = bf16_pieces(A) if on_pieces and dx_out is not None else A.contiguous()
-    if config is None and gluon_shrink_backward_ready(x, A, dropout_p, dx_out, on_pieces):
-        dA = shrink_backward_gluon(ds, x, a_arg, dropout_p, seed, dx_out, sm_count(x.device))
+    if config is None and gluon_shrink_backward_ready(x, A, dropout_p, dx_out, on_pieces, fp32):
+        a_operand = a_arg if on_pieces else A.to(x.dtype).contiguous()[None]  # [pieces, r, K] in x's dtype
+        dA = shrink_backward_gluon(ds, x, a_operand, dropout_p, seed, dx_out, sm_count(x.device))
         if dA is not None:
             return dA
     # Swept on an H200 (NOTES_lora_layer.md, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
