@@ -2,26 +2,28 @@
 of dx, keep * drop_scale * (ds A), in one pass over x. Its reference is lora_shrink_backward's (the autograd of
 lora_shrink_reference, and the masked dx term that lora_linear_reference's backward holds).
 
-Covers what the Triton kernel computes in 16-bit products, in the same order:
+Covers what the Triton kernel computes in 16-bit products, with the same products and roundings:
 - float32 adapters on bf16 x (PEFT's default), as bf16 pieces: dA from the three piece products of ds, smallest first
   into a fresh accumulator joined with one rounded add; dx from the three largest piece products (hi A_hi + hi A_mid
   + mid A_hi), rounded once to x's dtype after drop_scale;
 - 16-bit adapter math (adapters in x's dtype, or rounded to it: LORAFUSE_ADAPTER_MATH=fast): ds and A rounded to x's
-  dtype, one product each.
+  dtype, one product each. Here each step's dA product also joins the running sum with one rounded add, where the
+  Triton kernel chains them in the tensor cores.
+dx comes out bit for bit as the Triton kernel's; dA, summed over other row blocks and splits, within about 2e-7.
 
 Why: the Triton kernel draws the mask in one register layout and needs it in two more (x's, and the dx product's),
 and the compiler moves the Philox words and the mask between them through shared memory: at 8192 x 4096 it took
 75 us where torch's copy of the same bytes (x read, dx written) takes 48 (H100, benchmarks/probe_pass_floor.py).
 Here every elementwise step runs in one layout, 8 neighbouring columns a thread (one Philox call's eight draws):
 x is read from its TMA tile in it, masked there and written back for dA's MMA, and the dx product is moved into it
-once, as bf16, to be masked and stored.
+once, in x's dtype, to be masked and stored.
 """
 import torch
 import triton
 
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
-from ._tiles import partial_sums, split_in_blocks, summed
+from ._tiles import padded_rank, partial_sums, split_in_blocks, summed
 from .dropout import PHILOX_ROUNDS, dropout_args, philox
 
 BLOCK_M, BLOCK_K, BUFFERS, WARPS = 64, 128, 3, 4
@@ -30,15 +32,15 @@ BLOCK_M, BLOCK_K, BUFFERS, WARPS = 64, 128, 3, 4
 def gluon_shrink_backward_ready(x, A, dropout_p, dx_out, pieces, fp32_math) -> bool:
     """Whether lora_shrink_backward takes the Gluon kernel: Hopper, dropout with the dx term, bf16 or fp16 x, the
     products in 16 bits (float32 adapters as bf16 pieces, or 16-bit adapter math), rank 8-32 in steps of 8, x
-    contiguous with K a multiple of 8 (TMA's 16-byte rows) and 16-byte aligned, dx_out alike, at least one row
-    block."""
+    contiguous with K a positive multiple of 8 (TMA's 16-byte rows) and 16-byte aligned, dx_out contiguous in x's
+    dtype and shape (the kernel rounds dx to x's dtype), at least one row block."""
     # x: [M, K], A: [r, K], dx_out: [M, K] or None
     sixteen_bits = pieces or (x.dtype in (torch.bfloat16, torch.float16) and not fp32_math)
     if not runs_gluon_hopper(x) or dx_out is None or dropout_p == 0.0 or not sixteen_bits:
         return False
     M, K, r = x.shape[0], x.shape[1], A.shape[0]
-    return (r % 8 == 0 and r <= 32 and K % 8 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and dx_out.is_contiguous() and M >= BLOCK_M)
+    return (0 < r <= 32 and r % 8 == 0 and 0 < K and K % 8 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and dx_out.is_contiguous() and dx_out.dtype == x.dtype and dx_out.shape == x.shape and M >= BLOCK_M)
 
 
 if gluon is not None:
@@ -83,7 +85,8 @@ if gluon is not None:
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes, pred=s < steps)
             tma.async_copy_global_to_shared(x_desc, [m_first + s * BM, k0], ready.index(s), x_ring.index(s),
                                             s < steps)
-        # A at these columns (its hi and mid pieces): dx's B operands ([R, BK], K = the rank), loaded once
+        # A at these columns (its hi and mid pieces): dx's B operands ([R, BK], K = the rank), loaded once. Below rank
+        # R a piece's box runs on into the next piece's rows: harmless, as ds's columns past the rank are zeros.
         A_TILES: gl.constexpr = 2 if P == 3 else 1
         a_pieces = gl.allocate_shared_memory(dtype, [A_TILES, R, BK], a_desc.layout)
         a_bar = ready_barriers(1)
@@ -111,7 +114,7 @@ if gluon is not None:
                           mask=(ds_rows[:, None] < M) & (ds_cols[None, :] < rank), other=0.0)
         for i in range(steps):
             m0 = m_first + i * BM
-            # the slot of step i - 1, whose MMAs have completed
+            # the slot of step i - 1, whose MMAs have completed (its masked store was fenced before them)
             nxt = i + BUFFERS - 1
             mbarrier.expect(ready.index(nxt % BUFFERS), x_desc.block_type.nbytes, pred=nxt < steps)
             tma.async_copy_global_to_shared(x_desc, [m_first + nxt * BM, k0], ready.index(nxt % BUFFERS),
@@ -170,10 +173,12 @@ def shrink_backward_gluon(ds, x, a_pieces, dropout_p, seed, dx_out, sms):
     # A rounded to x's dtype), dx_out: [M, K] like x
     M, K = x.shape
     pieces, r = a_pieces.shape[0], a_pieces.shape[1]
-    R = max(16, triton.next_power_of_2(r))
+    if a_pieces.data_ptr() % 16:  # TMA reads from 16-byte aligned addresses: a view of an odd offset is copied
+        a_pieces = a_pieces.clone()
+    R = padded_rank(r)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     k_blocks = triton.cdiv(K, BLOCK_K)
-    # about two programs an SM (each 3 x 16 KB of ring): row splits of at least 256 rows, as the Triton kernel's
+    # about two programs an SM (each 3 x 16 KB of ring): at most cdiv(M, 256) row splits, as the Triton kernel's
     rows_per_split, splits = split_in_blocks(M, BLOCK_M, min(triton.cdiv(M, 256), max(1, 2 * sms // k_blocks)))
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))

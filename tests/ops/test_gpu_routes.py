@@ -43,14 +43,21 @@ lora_shrink_module = importlib.import_module("lorafuse.ops.lora_shrink")
 SCALE = 0.7
 
 
-def count_calls(monkeypatch, module, launcher: str, deterministic: bool) -> list:
-    """A list that gains an item whenever module.<launcher> (a Gluon kernel's launcher) runs; deterministic
-    algorithms on or off for the test."""
-    calls = []
+def record_launches(monkeypatch, module, launcher: str, deterministic: bool) -> list:
+    """A list that gains, whenever module.<launcher> (a Gluon kernel's launcher) is called, whether its kernel ran
+    (a launcher returns None when its kernel failed and the Triton kernel runs instead); deterministic algorithms on
+    or off for the test."""
+    ran = []
     real = getattr(module, launcher)
-    monkeypatch.setattr(module, launcher, lambda *a: calls.append(1) or real(*a))
+
+    def launch(*args):
+        result = real(*args)
+        ran.append(result is not None)
+        return result
+
+    monkeypatch.setattr(module, launcher, launch)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-    return calls
+    return ran
 
 
 def test_launch_bound_eagerly_and_kernels_under_capture(monkeypatch):
@@ -148,11 +155,9 @@ def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, math, bias
     # several tiles, and the next tile's loads overlap. "fast": float32 adapters rounded to bf16
     # (LORAFUSE_ADAPTER_MATH=fast), held to PyTorch's bf16 computation like bf16 ones.
     monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
-    calls = []
-    real = lora_matmul_module.lora_matmul_gluon
-    monkeypatch.setattr(lora_matmul_module, "lora_matmul_gluon", lambda *a: calls.append(1) or real(*a))
+    ran = record_launches(monkeypatch, lora_matmul_module, "lora_matmul_gluon", deterministic=False)
     check_tma_gemm(tma_gemm_operands(m, k, n, r, dtype, adapter_dtype, bias_dtype, forward), dtype)
-    assert calls == [1]
+    assert ran == [True]
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel runs on compute capability 9")
@@ -163,12 +168,12 @@ def test_gluon_expand_backward_matches_float64(m, n, r, deterministic, monkeypat
     # ds = scale * dy B and dB = scale * dy^T s for float32 adapters on bf16 dy (PEFT's default); rows and columns
     # not multiples of the 128 x 64 tiles, several column splits (partial ds sums) and row blocks (dB added with
     # atomics, or partial sums under torch.use_deterministic_algorithms).
-    calls = count_calls(monkeypatch, lora_expand_module, "expand_backward_gluon", deterministic)
+    ran = record_launches(monkeypatch, lora_expand_module, "expand_backward_gluon", deterministic)
     dy = torch.randn(m, n, dtype=torch.bfloat16)
     s = torch.randn(m, r)
     B = torch.randn(n, r) / r**0.5
     g, ds, dB, dbias = lora_expand_backward(dy, None, s, B, SCALE)
-    assert calls == [1] and g is dy and dbias is None
+    assert ran == [True] and g is dy and dbias is None
     exact = {"s": SCALE * dy.double() @ B.double(), "B": SCALE * dy.double().t() @ s.double()}
     plain = {"s": SCALE * dy.float() @ B, "B": SCALE * dy.float().t() @ s}  # PEFT's float32 adapter path
     for name, got in (("s", ds), ("B", dB)):
@@ -183,7 +188,7 @@ SHRINK_BACKWARD_MATH = [(torch.bfloat16, torch.float32, "exact"), (torch.bfloat1
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel runs on compute capability 9")
-@pytest.mark.parametrize("m, k", [(300, 776), (4100, 8200)], ids=["small", "many_programs"])
+@pytest.mark.parametrize("m, k", [(64, 136), (300, 776), (4100, 8200)], ids=["one_step", "small", "many_programs"])
 @pytest.mark.parametrize("r", [8, 16, 24, 32])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dA", "deterministic"])
 @pytest.mark.parametrize("dtype, adapter_dtype, math", SHRINK_BACKWARD_MATH,
@@ -192,7 +197,7 @@ def test_gluon_shrink_backward_matches_float64(m, k, r, deterministic, dtype, ad
     # dA = ds^T (x * keep) * keep_scale and dx's term keep * keep_scale * (ds A) with dropout; rows and columns not
     # multiples of the 64 x 128 tiles, several row splits (dA added with atomics, or partial sums under
     # torch.use_deterministic_algorithms).
-    calls = count_calls(monkeypatch, lora_shrink_module, "shrink_backward_gluon", deterministic)
+    ran = record_launches(monkeypatch, lora_shrink_module, "shrink_backward_gluon", deterministic)
     monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
     p = 0.1
     x = torch.randn(m, k).to(dtype)
@@ -200,7 +205,7 @@ def test_gluon_shrink_backward_matches_float64(m, k, r, deterministic, dtype, ad
     ds = torch.randn(m, r)
     dx = poison(torch.empty_like(x))
     dA = lora_shrink_backward(ds, x, A, p, seed_tensor(BIG_SEED), dx_out=dx)
-    assert calls == [1] and dA.dtype == torch.float32 and dA.shape == A.shape
+    assert ran == [True] and dA.dtype == torch.float32 and dA.shape == A.shape
     factor = keep_mask_reference(BIG_SEED, m, k, p).double() * keep_scale(p)
     if adapter_dtype == torch.float32 and math == "exact":  # the bar is PEFT's float32 adapter path
         plain_dA, plain_dx = ds.t() @ (x.float() * factor.float()), ((ds @ A) * factor.float()).to(dtype)
@@ -215,3 +220,7 @@ def test_gluon_shrink_backward_matches_float64(m, k, r, deterministic, dtype, ad
     dropped = factor == 0
     assert torch.equal(dx[dropped], torch.zeros_like(dx[dropped]))
     assert (exact_dx[~dropped & (dx == 0)].abs() <= 0.05 * exact_dx.abs().mean()).all()
+    # the same mask, products and roundings as the Triton kernel (config= keeps it): dx bit for bit
+    dx_triton = poison(torch.empty_like(x))
+    lora_shrink_backward(ds, x, A, p, seed_tensor(BIG_SEED), dx_out=dx_triton, config=(16, 256, 4, 3, 528))
+    assert torch.equal(dx, dx_triton)
