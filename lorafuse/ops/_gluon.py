@@ -40,6 +40,12 @@ def runs_gluon_hopper(t: torch.Tensor) -> bool:
     return (gluon is not None and t.is_cuda and _version(triton.__version__) >= TESTED_FROM and _hopper(t.device))
 
 
+def tma_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where its data does not start on a 16-byte boundary (a view of an odd offset): TMA reads
+    from 16-byte aligned addresses."""
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 _working: set[str] = set()
 _broken: set[str] = set()
 

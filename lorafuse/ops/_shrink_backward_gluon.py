@@ -22,7 +22,7 @@ import torch
 import triton
 
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
-                     ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
+                     ready_barriers, runs_gluon_hopper, tma, tma_aligned, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import padded_rank, partial_sums, split_in_blocks, summed
 from .dropout import PHILOX_ROUNDS, dropout_args, philox
 
@@ -173,8 +173,7 @@ def shrink_backward_gluon(ds, x, a_pieces, dropout_p, seed, dx_out, sms):
     # A rounded to x's dtype), dx_out: [M, K] like x
     M, K = x.shape
     pieces, r = a_pieces.shape[0], a_pieces.shape[1]
-    if a_pieces.data_ptr() % 16:  # TMA reads from 16-byte aligned addresses: a view of an odd offset is copied
-        a_pieces = a_pieces.clone()
+    a_pieces = tma_aligned(a_pieces)
     R = padded_rank(r)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     k_blocks = triton.cdiv(K, BLOCK_K)

@@ -34,7 +34,7 @@ import torch
 import triton
 
 from ._bf16_pieces import uses_bf16_pieces
-from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier, tma,
+from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier, tma, tma_aligned,
                      warpgroup_mma, warpgroup_mma_wait)
 from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, _gemm_buffers, _mma_step,
                                  _tile_coords, gluon_gemm_ready, rank_r_operands, rank_r_width)
@@ -311,9 +311,7 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms):
     cast = lora_A.dtype != x.dtype
     _, r_op, split = rank_r_operands(x.new_empty(0, r, dtype=torch.float32), lora_B.t(), scale, bias, x.dtype, pieces,
                                      True, split=lora_A if cast else None, zeroed=work)
-    shrink_weight = (split if cast else lora_A.contiguous()).reshape(-1, K)  # [3r|r, K]
-    if shrink_weight.data_ptr() % 16:  # TMA reads from 16-byte aligned addresses (a view of an odd offset)
-        shrink_weight = shrink_weight.clone()
+    shrink_weight = tma_aligned((split if cast else lora_A.contiguous()).reshape(-1, K))  # [3r|r, K]
     s = work[:M * r].view(torch.float32).view(M, r)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16

@@ -110,3 +110,15 @@ def test_a_gluon_kernel_that_fails_to_launch_is_turned_off(monkeypatch, caplog):
     assert _gluon.launch_or_fall_back("kernel_b", lambda: launches.append("ok")) is True
     with pytest.raises(RuntimeError):
         _gluon.launch_or_fall_back("kernel_b", failing)
+
+
+def test_tma_aligned_copies_only_a_view_of_an_odd_offset():
+    # TMA reads from 16-byte aligned addresses: the Gluon launchers pass weights through tma_aligned, which copies a
+    # view that starts off a 16-byte boundary (here 2 bytes in) and leaves an aligned tensor as it is.
+    flat = torch.randn(1 + 4 * 64).to(torch.bfloat16)
+    odd = flat[1:].view(4, 64)
+    assert odd.data_ptr() % 16 != 0
+    copied = _gluon.tma_aligned(odd)
+    assert copied.data_ptr() % 16 == 0 and torch.equal(copied, odd)
+    aligned = torch.randn(4, 64).to(torch.bfloat16)
+    assert aligned.data_ptr() % 16 == 0 and _gluon.tma_aligned(aligned) is aligned
