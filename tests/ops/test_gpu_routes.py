@@ -224,3 +224,22 @@ def test_gluon_shrink_backward_matches_float64(m, k, r, deterministic, dtype, ad
     dx_triton = poison(torch.empty_like(x))
     lora_shrink_backward(ds, x, A, p, seed_tensor(BIG_SEED), dx_out=dx_triton, config=(16, 256, 4, 3, 528))
     assert torch.equal(dx, dx_triton)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel runs on compute capability 9")
+def test_gluon_shrink_backward_copies_a_16_bit_A_at_an_odd_offset(monkeypatch):
+    # A bf16 A viewed 2 bytes into its storage: TMA's descriptor needs a 16-byte aligned base, so the launcher copies
+    # it (_gluon.tma_aligned); the kernel runs and gives the Triton kernel's dx bit for bit
+    ran = record_launches(monkeypatch, lora_shrink_module, "shrink_backward_gluon", deterministic=False)
+    m, k, r, p = 300, 776, 16, 0.1
+    x = torch.randn(m, k).to(torch.bfloat16)
+    A = (torch.randn(r * k + 1) / k**0.5).to(torch.bfloat16)[1:].view(r, k)
+    ds = torch.randn(m, r)
+    dx, dx_triton = poison(torch.empty_like(x)), poison(torch.empty_like(x))
+    dA = lora_shrink_backward(ds, x, A, p, seed_tensor(BIG_SEED), dx_out=dx)
+    assert A.data_ptr() % 16 != 0 and ran == [True]
+    lora_shrink_backward(ds, x, A, p, seed_tensor(BIG_SEED), dx_out=dx_triton, config=(16, 256, 4, 3, 528))
+    assert torch.equal(dx, dx_triton)
+    factor = keep_mask_reference(BIG_SEED, m, k, p).double() * keep_scale(p)
+    plain_dA = ds.to(torch.bfloat16).t() @ (x * factor.to(torch.bfloat16))
+    assert_close(dA, ds.double().t() @ (x.double() * factor), torch.bfloat16, plain_dA, "dA")

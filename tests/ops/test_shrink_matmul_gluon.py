@@ -88,6 +88,21 @@ def test_shrink_matmul_matches_float64(m, k, n, programs, r, dtype, adapter_dtyp
 
 
 @hopper
+def test_a_16_bit_lora_A_at_an_odd_offset_is_copied_for_tma():
+    # A bf16 lora_A viewed 2 bytes into its storage: TMA's descriptor needs a 16-byte aligned base, so the launcher
+    # copies it (_gluon.tma_aligned) instead of raising or falling back
+    x, weight, _, lora_B, bias = operands(1000, 2056, 4000, 16, torch.bfloat16, torch.bfloat16, None)
+    lora_A = (torch.randn(16 * 2056 + 1) / 2056**0.5).to(torch.bfloat16)[1:].view(16, 2056)
+    assert lora_A.data_ptr() % 16 != 0 and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)
+    y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sm_count(x.device))
+    s_exact = x.double() @ lora_A.double().t()
+    assert_close(s, s_exact, torch.bfloat16, x @ lora_A.t(), "s")
+    y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
+    assert_close(y, y_exact, torch.bfloat16, lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE,
+                                                                     bias), "y")
+
+
+@hopper
 def test_shapes_it_declines():
     x, weight, lora_A, lora_B, bias = operands(512, 192, 512, 16, torch.bfloat16, torch.float32, None)
     assert shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sm_count(x.device)) is None  # 3 K-steps
