@@ -1,5 +1,6 @@
 """Probe: the layer's forward without dropout with the shrink inside the GEMM (ops/_shrink_matmul_gluon.py), against
-the route it replaces (lora_shrink, then lora_matmul's Gluon GEMM with the rank-r K-steps) and cuBLAS's GEMM alone.
+the route it replaces (lora_shrink, then lora_matmul's Gluon GEMM with the rank-r K-steps) and cuBLAS's GEMM alone;
+`fixed_order` is the fused kernel summing s's parts in a fixed order (inference, deterministic algorithms).
 
     python benchmarks/probe_shrink_matmul.py [--rounds 30] [--out DIR]
 
@@ -35,6 +36,10 @@ def fused(x, weight, lora_A, lora_B):
     return shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, None, sm_count(x.device))
 
 
+def fused_fixed_order(x, weight, lora_A, lora_B):
+    return shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, None, sm_count(x.device), fixed_order=True)
+
+
 def rel_err(got, exact):
     return ((got.double() - exact).norm() / exact.norm()).item()
 
@@ -49,12 +54,13 @@ def probe_case(k_in, n_out, adapter_dtype, rounds):
     s_exact = xs[0].double() @ lora_A.double().t()
     y_exact = lora_matmul_reference(xs[0], weight.t(), s_exact, lora_B.t(), SCALE, dtype=torch.float64)
     errors = {}
-    for name, fn in (("separate", separate), ("fused", fused)):
+    for name, fn in (("separate", separate), ("fused", fused), ("fixed_order", fused_fixed_order)):
         y, s = fn(xs[0], weight, lora_A, lora_B)
         errors[name] = max(rel_err(y, y_exact), rel_err(s, s_exact))
     calls = {"cublas": lambda: [x @ weight.t() for x in xs],
              "separate": lambda: [separate(x, weight, lora_A, lora_B) for x in xs],
-             "fused": lambda: [fused(x, weight, lora_A, lora_B) for x in xs]}
+             "fused": lambda: [fused(x, weight, lora_A, lora_B) for x in xs],
+             "fixed_order": lambda: [fused_fixed_order(x, weight, lora_A, lora_B) for x in xs]}
     times = time_alternating({key: capture(fn)[0].replay for key, fn in calls.items()}, rounds=rounds, warmup=5)
     return {key: tuple(t / len(xs) for t in value) for key, value in times.items()}, errors
 
@@ -72,10 +78,10 @@ def main():
             print(table[-1], flush=True)
     write_rows(rows, "shrink_matmul", [args.out])
     print("\nratio to cuBLAS's GEMM alone (graph-replayed, alternating); error: largest relative error to float64")
-    print(f"{'shape':42s} {'cuBLAS us':>9s} {'separate':>9s} {'fused':>9s} {'error':>8s}")
+    print(f"{'shape':42s} {'cuBLAS us':>9s} {'separate':>9s} {'fused':>9s} {'fixed':>9s} {'error':>8s}")
     for shape, floor, ratios, errors in table:
         print(f"{shape:42s} {floor * 1000:9.1f} {ratios['separate']:9.3f} {ratios['fused']:9.3f} "
-              f"{max(errors.values()):8.1e}")
+              f"{ratios['fixed_order']:9.3f} {max(errors.values()):8.1e}")
 
 
 if __name__ == "__main__":

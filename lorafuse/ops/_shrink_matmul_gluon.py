@@ -18,8 +18,14 @@ there).
   not cooperative: a kernel on another stream that holds SMs (NCCL's, say) delays the programs that wait until it
   ends; one that waited on this GEMM would hang it.
 - lora_A's pieces ride in c_smem between C's stores (the K-steps before START let the last store drain).
-- s's atomics add in no fixed order: under torch.use_deterministic_algorithms(True) the layer keeps the separate
-  shrink.
+- Atomics add in no fixed order, so s and y vary in their last bits from run to run (13 float32 parts a row block at
+  8192 x 4096 on 132 SMs). With fixed_order (inference: the same prompt gives the same logits; and under
+  torch.use_deterministic_algorithms) the contributors store their parts instead; the row block's first column tile,
+  the summer, waits for all of them at its own wait, adds them in order into s and counts once more, and the other
+  tiles wait for that count. It costs the summer's wait and sum, and still beats the separate shrink
+  (benchmarks/probe_shrink_matmul.py, H100, float32 adapters, x cuBLAS: 4096 -> 4096 1.106 atomics, 1.125 fixed
+  order, 1.146 separate; 14336 -> 4096 1.057, 1.065, 1.079). The last contributor to arrive summing them instead cost
+  2-3 %: its increment had to return the count before it could go on.
 - With dropout the mask's Philox draws cost about an MMA per x tile; drawn in the shrink steps, or ahead as bits, the
   kernel ran 1.5-8 % behind the separate masked shrink (H100, benchmarks/NOTES_lora_layer.md): dropout keeps it.
 
@@ -40,6 +46,7 @@ from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS
                                  _tile_coords, gluon_gemm_ready, rank_r_operands, rank_r_width)
 
 START = 4  # a contributor's first possible shrink step: by then the last tile's C store has left c_smem
+SUM_UNROLL = 4  # the summer's loads of the parts in flight at once (8 read the same, H100)
 LEAD = 3  # K-steps between a tile's wait for s and its first rank-r step: L2's latency hides behind their MMAs
 WINDOW = 3 / 4  # of the programs: the most tiles that one row block's contributors span
 MAX_SHRINK_ROWS = 128  # lora_A's pieces (P * rank rounded up to a power of two): 3 ring slots of them share c_smem
@@ -79,13 +86,13 @@ def shrink_matmul_ready(x, weight, lora_A, lora_B, bias) -> bool:
     """Whether shrink_matmul_gluon takes these inputs: Hopper (_gluon.runs_gluon_hopper), x and W in one 16-bit dtype
     with W's rows contiguous (a transposed weight, GPT-2's Conv1D under fan_in_fan_out, keeps the other route; the
     caller checked TMA's alignment), 16-bit rank-r products (as gluon_gemm_ready) with a rank of 8 to 64, a power of
-    two, whose pieces fit c_smem, and not under deterministic algorithms (s is summed by atomics)."""
+    two, whose pieces fit c_smem."""
     # x: [M, K], weight: [N, K], lora_A: [r, K], lora_B: [N, r]
     r = lora_A.shape[0]
     pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
     return (gluon_gemm_ready(x, weight.t(), lora_B.t(), pieces) and weight.stride(1) == 1
             and 8 <= r <= 64 and r & (r - 1) == 0
-            and _shrink_rows(r, pieces) <= MAX_SHRINK_ROWS and not torch.are_deterministic_algorithms_enabled())
+            and _shrink_rows(r, pieces) <= MAX_SHRINK_ROWS)
 
 
 if gluon is not None:
@@ -153,10 +160,27 @@ if gluon is not None:
         return mmas + 1, acc, acc_s + gl.convert_layout(part, S_LAYOUT)
 
     @gluon.jit
+    def _sum_parts(part_ptr, s_ptr, off_m, M, rank, contributors, UNROLL: gl.constexpr, BM: gl.constexpr,
+                   R: gl.constexpr, LAYOUT: gl.constexpr):
+        # s's rows off_m.. = the contributors' parts ([contributors, M, rank] fp32) added in order, UNROLL loads in
+        # flight at once: the same float run after run
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LAYOUT))
+        ranks = gl.arange(0, R, layout=gl.SliceLayout(0, LAYOUT))
+        offsets = rows[:, None] * rank + ranks[None, :]
+        mask = (rows[:, None] < M) & (ranks[None, :] < rank)
+        total = gl.zeros((BM, R), gl.float32, LAYOUT)
+        for j0 in range(0, contributors, UNROLL):
+            for jj in gl.static_range(UNROLL):
+                j = j0 + jj
+                total += gl.load(part_ptr + j.to(gl.int64) * M * rank + offsets, mask=mask & (j < contributors),
+                                 other=0.0, cache_modifier=".cg")
+        gl.store(s_ptr + offsets, total, mask=mask)
+
+    @gluon.jit
     def _s_columns(s_ptr, off_m, step, M, rank, PIECES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
                    LAYOUT: gl.constexpr):
         # s under K-step `step` of L: column c holds s[:, c % rank], zero past the pieces' columns. [BM, BK] fp32,
-        # read from L2 (the contributors' atomics live there)
+        # read from L2 (the last contributor's stores live there)
         rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LAYOUT))
         cols = step * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, LAYOUT))
         term_cols = 3 * rank if PIECES else rank
@@ -179,13 +203,15 @@ if gluon is not None:
         return gl.where(ones[None, :], 1.0, v).to(dtype)
 
     @gluon.jit
-    def _gemm_shrink_rank_r(a_desc, b_desc, la_desc, r_desc, c_desc, s_ptr, count_ptr, M, N, K, rank, scale,
+    def _gemm_shrink_rank_r(a_desc, b_desc, la_desc, r_desc, c_desc, s_ptr, part_ptr, count_ptr, M, N, K, rank, scale,
                             contributors, RANK_STEPS: gl.constexpr, R: gl.constexpr, PIECES: gl.constexpr,
                             BIAS_COLUMNS: gl.constexpr, NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr,
-                            START: gl.constexpr, LEAD: gl.constexpr, num_warps: gl.constexpr):
+                            START: gl.constexpr, LEAD: gl.constexpr, FIXED_ORDER: gl.constexpr,
+                            SUM_UNROLL: gl.constexpr, num_warps: gl.constexpr):
         # A (x): [M, K] in [BM, BK] boxes; B (W): [N, K] in [BN, BK] boxes; LA (lora_A's pieces, [3, rank, K] or
         # [rank, K]): [rows, K] in [SHRINK_ROWS, BK] boxes; R: [N, width] in B's boxes; C: [M, N] in [BM, BN];
-        # s: [M, rank] fp32 zeroed; count: [row blocks] int32 zeroed. Persistent: program p takes tiles p,
+        # s: [M, rank] fp32, zeroed unless FIXED_ORDER; part: [contributors, M, rank] fp32 (FIXED_ORDER);
+        # count: [row blocks] int32 zeroed. Persistent: program p takes tiles p,
         # p + programs, ...; the loads run NUM_BUFFERS - 1 steps ahead of the MMAs, across tiles, as in
         # _lora_matmul_gluon._gemm_rank_r.
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
@@ -237,11 +263,16 @@ if gluon is not None:
                                        la_desc, r_desc, ready, a_ring, b_ring, la_ring, START, True)
                     mmas, acc, acc_s = _mma_shrink(mmas, acc, acc_s, ready, a_ring, b_ring, la_ring, R, s_layout,
                                                    part_layout)
-                # this tile's part of s is complete: add it, then count it in (after every thread's atomics)
+                # this tile's part of s is complete: add it to s (or store it for the summer), then count it in
+                # (after every thread's atomics or stores)
                 rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                 ranks = gl.arange(0, R, layout=gl.SliceLayout(0, s_layout))
-                gl.atomic_add(s_ptr + rows[:, None] * rank + ranks[None, :], acc_s,
-                              mask=(rows[:, None] < M) & (ranks[None, :] < rank), sem="relaxed")
+                s_offsets = rows[:, None] * rank + ranks[None, :]
+                s_mask = (rows[:, None] < M) & (ranks[None, :] < rank)
+                if FIXED_ORDER:
+                    gl.store(part_ptr + pid_n.to(gl.int64) * M * rank + s_offsets, acc_s, mask=s_mask)
+                else:
+                    gl.atomic_add(s_ptr + s_offsets, acc_s, mask=s_mask, sem="relaxed")
                 gl.thread_barrier()
                 gl.atomic_add(count_ptr + pid_m, 1, sem="release", scope="gpu")
                 for step in range(first + per, k_steps - LEAD):
@@ -252,7 +283,13 @@ if gluon is not None:
             loads = _load_step(loads, k_steps - LEAD + 1, k_steps, rot, per, first, off_m, off_n, a_desc, b_desc,
                                la_desc, r_desc, ready, a_ring, b_ring, la_ring, START, True)
             mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, True)
-            while gl.atomic_add(count_ptr + pid_m, 0, sem="acquire", scope="gpu") < contributors:
+            if FIXED_ORDER and pid_n == 0:  # the row block's summer: once every part is in, s = their sum in order
+                while gl.atomic_add(count_ptr + pid_m, 0, sem="acquire", scope="gpu") < contributors:
+                    pass
+                _sum_parts(part_ptr, s_ptr, off_m, M, rank, contributors, SUM_UNROLL, BLOCK_M, R, s_layout)
+                gl.thread_barrier()
+                gl.atomic_add(count_ptr + pid_m, 1, sem="release", scope="gpu")
+            while gl.atomic_add(count_ptr + pid_m, 0, sem="acquire", scope="gpu") < contributors + FIXED_ORDER:
                 pass
             s_cols = _s_columns(s_ptr, off_m, 0, M, rank, PIECES, BLOCK_M, BLOCK_K, left_layout)
             for step in range(k_steps - LEAD + 1, k_steps):
@@ -290,10 +327,11 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
 
-def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms):
+def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms, fixed_order=False):
     """(y, s): y = x W^T + scale * s B^T + bias and s = x A^T (fp32) from one GEMM, through _gemm_shrink_rank_r
     (shrink_matmul_ready holds); None where the shape cannot fuse the shrink, or the kernel failed to run the first
-    time (_gluon.launch_or_fall_back)."""
+    time (_gluon.launch_or_fall_back). fixed_order: the same inputs give the same bits (s's parts summed in order, not
+    by atomics), at a cost (module docstring)."""
     # x: [M, K], weight: [N, K], lora_A: [r, K], lora_B: [N, r], bias: [N] or None
     M, K = x.shape
     N, r = weight.shape[0], lora_A.shape[0]
@@ -305,14 +343,17 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms):
     pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
     bias_columns = 0 if bias is None else 1 if bias.dtype == x.dtype else 2
     width = rank_r_width(r, pieces, bias_columns)
-    # One launch packs R, makes lora_A's bf16 pieces (or its cast: LORAFUSE_ADAPTER_MATH=fast) and zeroes s and the
-    # counts: a launch each cost 1.5 % more at 4096 -> 4096 (H100, benchmarks/NOTES_lora_layer.md)
-    work = torch.empty(M * r + blocks_m, device=x.device, dtype=torch.int32)  # s (fp32 bits), then the counts
+    # One launch packs R, makes lora_A's bf16 pieces (or its cast: LORAFUSE_ADAPTER_MATH=fast) and zeroes s (which
+    # atomics add into) and the counts: a launch each cost 1.5 % more at 4096 -> 4096 (H100,
+    # benchmarks/NOTES_lora_layer.md)
+    part_size = contributors * M * r if fixed_order else 0
+    work = torch.empty(M * r + part_size + blocks_m, device=x.device, dtype=torch.int32)
+    s, parts, counts = work.split([M * r, part_size, blocks_m])  # s and the parts as float32 bits
     cast = lora_A.dtype != x.dtype
     _, r_op, split = rank_r_operands(x.new_empty(0, r, dtype=torch.float32), lora_B.t(), scale, bias, x.dtype, pieces,
-                                     True, split=lora_A if cast else None, zeroed=work)
+                                     True, split=lora_A if cast else None, zeroed=counts if fixed_order else work)
     shrink_weight = tma_aligned((split if cast else lora_A.contiguous()).reshape(-1, K))  # [3r|r, K]
-    s = work[:M * r].view(torch.float32).view(M, r)
+    s, parts = s.view(torch.float32).view(M, r), parts.view(torch.float32)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     shrink_box = [_shrink_rows(r, pieces), BLOCK_K]
@@ -324,9 +365,10 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms):
         _gemm_shrink_rank_r[(programs,)](
             descriptor(x, [BLOCK_M, BLOCK_K]), descriptor(weight, [BLOCK_N, BLOCK_K]),
             descriptor(shrink_weight, shrink_box), descriptor(r_op, [BLOCK_N, BLOCK_K]),
-            descriptor(y, [BLOCK_M, BLOCK_N]), s, work[M * r:], M, N, K, r, scale, contributors,
+            descriptor(y, [BLOCK_M, BLOCK_N]), s, parts, counts, M, N, K, r, scale, contributors,
             RANK_STEPS=triton.cdiv(width, BLOCK_K), R=r, PIECES=pieces, BIAS_COLUMNS=bias_columns,
-            NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, START=START, LEAD=LEAD, num_warps=WARPS)
+            NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, START=START, LEAD=LEAD, FIXED_ORDER=fixed_order,
+            SUM_UNROLL=SUM_UNROLL, num_warps=WARPS)
 
     ran = launch_or_fall_back("_gemm_shrink_rank_r", launch)
     return (y, s) if ran else None

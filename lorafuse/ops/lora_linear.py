@@ -85,8 +85,9 @@ def _resolve_gemm(gemm, x, weight, lora_A, act, decoding, launch_bound=False):
     return "triton" if on_tma else "cublas"
 
 
-def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, store_z):
-    """Returns (y, s, z): the output, the shrink s = dropout(x) A^T (fp32) and, with store_z, z."""
+def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, store_z, fixed_order):
+    """Returns (y, s, z): the output, the shrink s = dropout(x) A^T (fp32) and, with store_z, z. fixed_order: the same
+    inputs give the same bits (inference, deterministic algorithms), where a faster kernel would add in any order."""
     # x: [M, K] (unit column stride), weight: [N, K], lora_A: [r, K], lora_B: [N, r]
     M = x.shape[0]
     threshold, drop_scale = dropout_args(dropout_p)
@@ -97,7 +98,7 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
         return y, s, z
     if (gemm == "triton" and dropout_p == 0.0 and act == 0 and weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N
             and tma_ready(x, weight.t()) and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)):
-        fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device))
+        fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device), fixed_order)
         if fused is not None:  # the shrink inside the GEMM's K-loop (Hopper, _shrink_matmul_gluon.py)
             return (*fused, None)
     s = lora_shrink(x, lora_A, dropout_p, seed)
@@ -116,7 +117,8 @@ class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
         y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm,
-                                 store_z=act != 0 and any(ctx.needs_input_grad[:5]))
+                                 store_z=act != 0 and any(ctx.needs_input_grad[:5]),
+                                 fixed_order=torch.are_deterministic_algorithms_enabled())
         ctx.save_for_backward(x, weight, bias, lora_A, lora_B, s, seed, z)
         ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm = scale, dropout_p, act, gemm
         ctx.dtypes = (None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
@@ -245,5 +247,6 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
         elif gemm == "decode":
             y = lora_decode(x2, weight, bias, lora_A, lora_B, float(scale), act)
         else:
-            y = _fused_forward(*args, store_z=False)[0]  # inference: no autograd node, less launch overhead
+            # inference: no autograd node, less launch overhead; the same prompt gives the same logits
+            y = _fused_forward(*args, store_z=False, fixed_order=True)[0]
     return y.view(*shape[:-1], weight.shape[0])

@@ -4,7 +4,6 @@ transformers-style bookkeeping takes five small torch kernels here (an index_cop
 captured decode step each costs a launch's latency. One program does all of it (a batch is at most a few dozen rows).
 """
 
-import torch
 import triton
 import triton.language as tl
 

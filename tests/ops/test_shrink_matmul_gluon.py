@@ -4,8 +4,8 @@ CPU: where contributors_for puts the shrink slices (each K-step shrunk once, eve
 for s, the contributors within the window of programs).
 GPU (LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0, compute capability 9): the kernel against float64 on odd edges,
 ranks 8-64, float32 adapters (bf16 pieces, or LORAFUSE_ADAPTER_MATH=fast), bf16 and fp16 ones, biases in x's dtype or
-float32, one wave of tiles or several per program, few programs; the shapes and layouts it declines; the layer's
-route to it.
+float32, one wave of tiles or several per program, few programs; the same bits call after call; the shapes and layouts
+it declines; the layer's route to it.
 """
 import importlib
 
@@ -103,6 +103,28 @@ def test_a_16_bit_lora_A_at_an_odd_offset_is_copied_for_tma():
 
 
 @hopper
+@pytest.mark.parametrize("m, k, n, programs", [(300, 4096, 1000, None), (4096, 4096, 4096, None),
+                                               (9000, 1024, 4096, None), (2000, 1024, 4096, 16)],
+                         ids=["one_wave", "many_tiles", "partial_group", "16_programs"])
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["pieces", "bf16_adapters"])
+def test_fixed_order_matches_float64_and_repeats_its_bits(m, k, n, programs, adapter_dtype):
+    # fixed_order: the contributors' parts of s are summed in order by the row block's summer, not by atomics; y and s
+    # are the same bits call after call (the atomics' order varies: 0 of 6 repeats matched at 4096^3, H100)
+    x, weight, lora_A, lora_B, bias = operands(m, k, n, 16, torch.bfloat16, adapter_dtype, "x")
+    first = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, programs or sm_count(x.device), True)
+    y, s = first
+    s_exact = x.double() @ lora_A.double().t()
+    s_plain = x.float() @ lora_A.float().t() if adapter_dtype == torch.float32 else x @ lora_A.t()
+    assert_close(s, s_exact, torch.float32 if adapter_dtype == torch.float32 else torch.bfloat16, s_plain, "s")
+    y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
+    assert_close(y, y_exact, torch.bfloat16,
+                 lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE, bias), "y")
+    for _ in range(3):
+        y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, programs or sm_count(x.device), True)
+        assert torch.equal(y, first[0]) and torch.equal(s, first[1])
+
+
+@hopper
 def test_shapes_it_declines():
     x, weight, lora_A, lora_B, bias = operands(512, 192, 512, 16, torch.bfloat16, torch.float32, None)
     assert shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sm_count(x.device)) is None  # 3 K-steps
@@ -128,15 +150,27 @@ def test_a_transposed_weight_keeps_the_other_route():
 
 @hopper
 @pytest.mark.parametrize("n, dropout_p, deterministic, routed", [(4096, 0.0, False, True), (4096, 0.1, False, False),
-                                                                 (4096, 0.0, True, False), (8192, 0.0, False, False)],
+                                                                 (4096, 0.0, True, True), (8192, 0.0, False, False)],
                          ids=["no_dropout", "dropout", "deterministic", "wide"])
 def test_the_layer_shrinks_inside_the_gemm_without_dropout(n, dropout_p, deterministic, routed, monkeypatch):
-    calls = []
+    # training's forward sums s's parts in a fixed order only under deterministic algorithms; inference always does
+    calls, fixed_orders = [], []
     real = lora_linear_module.shrink_matmul_gluon
-    monkeypatch.setattr(lora_linear_module, "shrink_matmul_gluon", lambda *a: calls.append(real(*a)) or calls[-1])
+
+    def recorded(*args):
+        fixed_orders.append(args[-1])
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(lora_linear_module, "shrink_matmul_gluon", recorded)
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
         check((4096, 1000), n, 16, torch.bfloat16, "auto", dropout_p=dropout_p, adapter_dtype=torch.float32)
+        assert fixed_orders == [deterministic] * routed
+        x, weight, lora_A, lora_B, bias = operands(4096, 1000, n, 16, torch.bfloat16, torch.float32, "x")
+        with torch.no_grad():
+            lora_linear_module.lora_linear(x, weight, bias, lora_A, lora_B, SCALE, dropout_p)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert len(calls) == routed and all(result is not None for result in calls)  # it ran, it did not fall back
+    assert fixed_orders == [deterministic] * routed + [True] * routed
+    assert all(result is not None for result in calls)  # it ran, it did not fall back
