@@ -18,7 +18,7 @@ import triton
 from ._bf16_pieces import PIECES
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
-from ._tiles import partial_sums, summed
+from ._tiles import partial_sums, store_partial, summed
 
 BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
 
@@ -136,10 +136,7 @@ if gluon is not None:
         ds_rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_ds_layout))
         ds_offsets = ds_rows[:, None] * rank + db_ranks[None, :]
         ds_mask = (ds_rows[:, None] < M) & (db_ranks[None, :] < rank)
-        if ATOMIC_DS:
-            gl.atomic_add(ds_part_ptr + ds_offsets, scale * ds, mask=ds_mask, sem="relaxed")
-        else:
-            gl.store(ds_part_ptr + split * M * rank + ds_offsets, scale * ds, mask=ds_mask)
+        store_partial(ds_part_ptr, split, M * rank, ds_offsets, scale * ds, ds_mask, ATOMIC_DS)
 
 
 def expand_backward_gluon(dy, s, b_pieces, scale, sms):

@@ -23,7 +23,7 @@ import triton
 
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, tma_aligned, warpgroup_mma, warpgroup_mma_wait)
-from ._tiles import padded_rank, partial_sums, split_in_blocks, summed
+from ._tiles import padded_rank, partial_sums, split_in_blocks, store_partial, summed
 from .dropout import PHILOX_ROUNDS, dropout_args, philox
 
 BLOCK_M, BLOCK_K, BUFFERS, WARPS = 64, 128, 3, 4
@@ -159,10 +159,7 @@ if gluon is not None:
         da_ranks = gl.arange(0, R, layout=gl.SliceLayout(0, da_layout))
         offsets = da_ranks[None, :] * K + da_cols[:, None]
         mask = (da_ranks[None, :] < rank) & (da_cols[:, None] < K)
-        if ATOMIC:
-            gl.atomic_add(da_part_ptr + offsets, drop_scale * da, mask=mask, sem="relaxed")
-        else:
-            gl.store(da_part_ptr + split * rank * K + offsets, drop_scale * da, mask=mask)
+        store_partial(da_part_ptr, split, rank * K, offsets, drop_scale * da, mask, ATOMIC)
 
 
 def shrink_backward_gluon(ds, x, a_pieces, dropout_p, seed, dx_out, sms):
