@@ -14,24 +14,29 @@ there).
   k_steps // 4: a row block's tiles then take a few K orders, and L2 still serves x's rows to them (one order per
   tile read x's rows from memory up to 16 times: 1.08x -> 1.05x cuBLAS at 14336 -> 4096).
 - Waiting cannot deadlock while all programs are resident (one per SM): a row block's contributors lie within a
-  window of fewer tiles than programs (tiles are dealt in order), and they publish before they wait. The launch is
+  window of fewer tiles than programs (tiles are dealt in order), and they publish before they wait. With
+  fixed_order the other tiles also wait for the summer, the row block's first tile dealt and itself a contributor,
+  which waits only for the contributors. The launch is
   not cooperative: a kernel on another stream that holds SMs (NCCL's, say) delays the programs that wait until it
   ends; one that waited on this GEMM would hang it.
 - lora_A's pieces ride in c_smem between C's stores (the K-steps before START let the last store drain).
 - Atomics add in no fixed order, so s and y vary in their last bits from run to run (13 float32 parts a row block at
-  8192 x 4096 on 132 SMs). With fixed_order (inference: the same prompt gives the same logits; and under
-  torch.use_deterministic_algorithms) the contributors store their parts instead; the row block's first column tile,
-  the summer, waits for all of them at its own wait, adds them in order into s and counts once more, and the other
-  tiles wait for that count. It costs the summer's wait and sum, and still beats the separate shrink
-  (benchmarks/probe_shrink_matmul.py, H100, float32 adapters, x cuBLAS: 4096 -> 4096 1.106 atomics, 1.125 fixed
-  order, 1.146 separate; 14336 -> 4096 1.057, 1.065, 1.079). The last contributor to arrive summing them instead cost
-  2-3 %: its increment had to return the count before it could go on.
+  8192 x 4096 -> 4096 on 132 SMs: 0 of 6 repeats gave the same bits, H100). With fixed_order (inference, so that a
+  batch gives the same logits on the same GPU run after run; and under torch.use_deterministic_algorithms) the
+  contributors store their parts instead; the row block's first column tile, the summer, waits for all of them at its
+  own wait, adds them in order into s and counts once more, and the other tiles wait for that count. Two parts need no
+  order (0 + a + b is the same float either way): up to two contributors keep the atomics. The parts take
+  contributors x M x r float32 (6.8 MB at 8192 rows, r = 16); past MAX_PARTS_BYTES the caller's separate shrink runs.
+  It costs the summer's wait and sum, and still beats the separate shrink (benchmarks/probe_shrink_matmul.py, H100,
+  float32 adapters, x cuBLAS: 4096 -> 4096 1.106 atomics, 1.125 fixed order, 1.146 separate; 14336 -> 4096 1.057,
+  1.065, 1.079). The last contributor to arrive summing them instead cost 1.6-2.5 % more: its increment had to return
+  the count before it could go on.
 - With dropout the mask's Philox draws cost about an MMA per x tile; drawn in the shrink steps, or ahead as bits, the
   kernel ran 1.5-8 % behind the separate masked shrink (H100, benchmarks/NOTES_lora_layer.md): dropout keeps it.
 
 benchmarks/probe_shrink_matmul.py (H100, 8192 rows, r = 16, packing launches included, graph-replayed, ratio to
-cuBLAS's GEMM alone), against the separate shrink and _lora_matmul_gluon's GEMM: 4096 -> 4096 1.106 against 1.138
-(float32 adapters) and 1.083 against 1.124 (bf16 ones); 14336 -> 4096 1.062 against 1.081 and 1.041 against 1.068.
+cuBLAS's GEMM alone), against the separate shrink and _lora_matmul_gluon's GEMM: 4096 -> 4096 1.106 against 1.146
+(float32 adapters) and 1.079 against 1.120 (bf16 ones); 14336 -> 4096 1.057 against 1.079 and 1.033 against 1.070.
 Wider outputs gained nothing (SHRINK_IN_GEMM_UP_TO_N).
 """
 import functools
@@ -46,14 +51,14 @@ from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS
                                  _tile_coords, gluon_gemm_ready, rank_r_operands, rank_r_width)
 
 START = 4  # a contributor's first possible shrink step: by then the last tile's C store has left c_smem
-SUM_UNROLL = 4  # the summer's loads of the parts in flight at once (8 read the same, H100)
+MAX_PARTS_BYTES = 256 << 20  # fixed_order's parts beyond this (a long prompt at a high rank) take the separate shrink
 LEAD = 3  # K-steps between a tile's wait for s and its first rank-r step: L2's latency hides behind their MMAs
 WINDOW = 3 / 4  # of the programs: the most tiles that one row block's contributors span
 MAX_SHRINK_ROWS = 128  # lora_A's pieces (P * rank rounded up to a power of two): 3 ring slots of them share c_smem
 # Measured faster than the separate shrink up to this many output columns (benchmarks/probe_shrink_matmul.py, H100,
-# 8192 rows, r = 16): 4096 -> 4096 1.106 against 1.138 x cuBLAS, 14336 -> 4096 1.062 against 1.081 (float32
-# adapters). Wider, most tiles only wait for the contributors: 4096 -> 14336 1.070 against 1.060, 2048 -> 8192 1.103
-# against 1.096.
+# 8192 rows, r = 16): 4096 -> 4096 1.106 against 1.146 x cuBLAS, 14336 -> 4096 1.057 against 1.079 (float32
+# adapters). Wider, most tiles only wait for the contributors: 4096 -> 14336 1.065 against 1.059, 2048 -> 8192 1.091
+# against 1.101, within one run's spread of each other.
 SHRINK_IN_GEMM_UP_TO_N = 4096
 
 
@@ -180,7 +185,7 @@ if gluon is not None:
     def _s_columns(s_ptr, off_m, step, M, rank, PIECES: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
                    LAYOUT: gl.constexpr):
         # s under K-step `step` of L: column c holds s[:, c % rank], zero past the pieces' columns. [BM, BK] fp32,
-        # read from L2 (the last contributor's stores live there)
+        # read from L2 (where the contributors' atomics or the summer's stores live)
         rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LAYOUT))
         cols = step * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, LAYOUT))
         term_cols = 3 * rank if PIECES else rank
@@ -327,11 +332,12 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
 
-def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms, fixed_order=False):
+def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms, fixed_order=None):
     """(y, s): y = x W^T + scale * s B^T + bias and s = x A^T (fp32) from one GEMM, through _gemm_shrink_rank_r
     (shrink_matmul_ready holds); None where the shape cannot fuse the shrink, or the kernel failed to run the first
-    time (_gluon.launch_or_fall_back). fixed_order: the same inputs give the same bits (s's parts summed in order, not
-    by atomics), at a cost (module docstring)."""
+    time (_gluon.launch_or_fall_back), or fixed_order's parts would take more than MAX_PARTS_BYTES. fixed_order: the
+    same inputs give the same bits (s's parts summed in order, not by atomics), at a cost (module docstring); None:
+    under torch.use_deterministic_algorithms."""
     # x: [M, K], weight: [N, K], lora_A: [r, K], lora_B: [N, r], bias: [N] or None
     M, K = x.shape
     N, r = weight.shape[0], lora_A.shape[0]
@@ -339,6 +345,11 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms, fixed_order
     programs = min(sms, blocks_m * blocks_n)
     contributors = contributors_for(blocks_n, k_steps, programs)
     if contributors == 0:
+        return None
+    if fixed_order is None:
+        fixed_order = torch.are_deterministic_algorithms_enabled()
+    fixed_order = fixed_order and contributors > 2  # two parts add to the same float in either order
+    if fixed_order and contributors * M * r * 4 > MAX_PARTS_BYTES:
         return None
     pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
     bias_columns = 0 if bias is None else 1 if bias.dtype == x.dtype else 2
@@ -368,7 +379,8 @@ def shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sms, fixed_order
             descriptor(y, [BLOCK_M, BLOCK_N]), s, parts, counts, M, N, K, r, scale, contributors,
             RANK_STEPS=triton.cdiv(width, BLOCK_K), R=r, PIECES=pieces, BIAS_COLUMNS=bias_columns,
             NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, START=START, LEAD=LEAD, FIXED_ORDER=fixed_order,
-            SUM_UNROLL=SUM_UNROLL, num_warps=WARPS)
+            SUM_UNROLL=max(1, 64 // r), num_warps=WARPS)  # 64 // r parts' loads in flight: no spills up to r = 64
 
-    ran = launch_or_fall_back("_gemm_shrink_rank_r", launch)
+    # each variant on its own: one that fails to compile falls back without turning the other off
+    ran = launch_or_fall_back(f"_gemm_shrink_rank_r{'_fixed_order' if fixed_order else ''}", launch)
     return (y, s) if ran else None

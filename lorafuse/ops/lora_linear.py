@@ -98,7 +98,8 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
         return y, s, z
     if (gemm == "triton" and dropout_p == 0.0 and act == 0 and weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N
             and tma_ready(x, weight.t()) and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)):
-        fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device), fixed_order)
+        fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device),
+                                    fixed_order=fixed_order)
         if fused is not None:  # the shrink inside the GEMM's K-loop (Hopper, _shrink_matmul_gluon.py)
             return (*fused, None)
     s = lora_shrink(x, lora_A, dropout_p, seed)
@@ -247,6 +248,6 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
         elif gemm == "decode":
             y = lora_decode(x2, weight, bias, lora_A, lora_B, float(scale), act)
         else:
-            # inference: no autograd node, less launch overhead; the same prompt gives the same logits
+            # inference: no autograd node, less launch overhead; a batch gives the same bits run after run
             y = _fused_forward(*args, store_z=False, fixed_order=True)[0]
     return y.view(*shape[:-1], weight.shape[0])

@@ -103,24 +103,36 @@ def test_a_16_bit_lora_A_at_an_odd_offset_is_copied_for_tma():
 
 
 @hopper
-@pytest.mark.parametrize("m, k, n, programs", [(300, 4096, 1000, None), (4096, 4096, 4096, None),
-                                               (9000, 1024, 4096, None), (2000, 1024, 4096, 16)],
-                         ids=["one_wave", "many_tiles", "partial_group", "16_programs"])
-@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["pieces", "bf16_adapters"])
-def test_fixed_order_matches_float64_and_repeats_its_bits(m, k, n, programs, adapter_dtype):
+@pytest.mark.parametrize("m, k, n, programs", [(4096, 4096, 4096, None), (9000, 1000, 4096, None),
+                                               (300, 4096, 1000, None)],
+                         ids=["many_tiles", "partial_group_odd_k", "two_contributors"])
+@pytest.mark.parametrize("r, dtype, adapter_dtype, math, bias_dtype", [
+    (16, torch.bfloat16, torch.float32, "exact", "x"), (32, torch.bfloat16, torch.float32, "exact", None),
+    (8, torch.bfloat16, torch.bfloat16, "exact", torch.float32), (64, torch.bfloat16, torch.bfloat16, "exact", "x"),
+    (16, torch.float16, torch.float16, "exact", None), (16, torch.bfloat16, torch.float32, "fast", "x")],
+    ids=["r16_pieces", "r32_pieces", "r8_bf16", "r64_bf16", "r16_fp16", "r16_fast"])
+def test_fixed_order_matches_float64_and_repeats_its_bits(m, k, n, programs, r, dtype, adapter_dtype, math, bias_dtype,
+                                                          monkeypatch):
     # fixed_order: the contributors' parts of s are summed in order by the row block's summer, not by atomics; y and s
-    # are the same bits call after call (the atomics' order varies: 0 of 6 repeats matched at 4096^3, H100)
-    x, weight, lora_A, lora_B, bias = operands(m, k, n, 16, torch.bfloat16, adapter_dtype, "x")
-    first = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, programs or sm_count(x.device), True)
+    # are the same bits call after call (with atomics 0 of 6 repeats matched at 8192 x 4096 -> 4096, H100). Two
+    # contributors keep the atomics, whose two-part sums need no order.
+    monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
+    x, weight, lora_A, lora_B, bias = operands(m, k, n, r, dtype, adapter_dtype, bias_dtype)
+    sms = programs or sm_count(x.device)
+    programs_used = min(sms, -(-m // 128) * -(-n // 256))
+    contributors = contributors_for(-(-n // 256), -(-k // 64), programs_used)
+    assert contributors == 2 if m == 300 else contributors > 2  # the summer's cases do run the summer
+    first = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sms, fixed_order=True)
     y, s = first
     s_exact = x.double() @ lora_A.double().t()
-    s_plain = x.float() @ lora_A.float().t() if adapter_dtype == torch.float32 else x @ lora_A.t()
-    assert_close(s, s_exact, torch.float32 if adapter_dtype == torch.float32 else torch.bfloat16, s_plain, "s")
+    if lora_in_fp32(dtype, adapter_dtype):
+        assert_close(s, s_exact, torch.float32, x.float() @ lora_A.float().t(), "s")
+    else:
+        assert_close(s, s_exact, dtype, x @ lora_A.to(dtype).t(), "s")
     y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
-    assert_close(y, y_exact, torch.bfloat16,
-                 lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE, bias), "y")
+    assert_close(y, y_exact, dtype, lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE, bias), "y")
     for _ in range(3):
-        y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, programs or sm_count(x.device), True)
+        y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sms, fixed_order=True)
         assert torch.equal(y, first[0]) and torch.equal(s, first[1])
 
 
@@ -157,9 +169,9 @@ def test_the_layer_shrinks_inside_the_gemm_without_dropout(n, dropout_p, determi
     calls, fixed_orders = [], []
     real = lora_linear_module.shrink_matmul_gluon
 
-    def recorded(*args):
-        fixed_orders.append(args[-1])
-        calls.append(real(*args))
+    def recorded(*args, fixed_order):
+        fixed_orders.append(fixed_order)
+        calls.append(real(*args, fixed_order=fixed_order))
         return calls[-1]
 
     monkeypatch.setattr(lora_linear_module, "shrink_matmul_gluon", recorded)
@@ -169,7 +181,11 @@ def test_the_layer_shrinks_inside_the_gemm_without_dropout(n, dropout_p, determi
         assert fixed_orders == [deterministic] * routed
         x, weight, lora_A, lora_B, bias = operands(4096, 1000, n, 16, torch.bfloat16, torch.float32, "x")
         with torch.no_grad():
-            lora_linear_module.lora_linear(x, weight, bias, lora_A, lora_B, SCALE, dropout_p)
+            y = lora_linear_module.lora_linear(x, weight, bias, lora_A, lora_B, SCALE, dropout_p, seed=7)
+        exact = lora_linear_reference(*(t.double() for t in (x, weight, bias, lora_A, lora_B)), SCALE, dropout_p,
+                                      seed=7)
+        assert_close(y, exact, torch.bfloat16, lora_linear_reference(x, weight, bias, lora_A, lora_B, SCALE, dropout_p,
+                                                                     seed=7), "y")
     finally:
         torch.use_deterministic_algorithms(False)
     assert fixed_orders == [deterministic] * routed + [True] * routed
