@@ -16,9 +16,8 @@ there).
 - Waiting cannot deadlock while all programs are resident (one per SM): a row block's contributors lie within a
   window of fewer tiles than programs (tiles are dealt in order), and they publish before they wait. With
   fixed_order the other tiles also wait for the summer, the row block's first tile dealt and itself a contributor,
-  which waits only for the contributors. The launch is
-  not cooperative: a kernel on another stream that holds SMs (NCCL's, say) delays the programs that wait until it
-  ends; one that waited on this GEMM would hang it.
+  which waits only for the contributors. The launch is not cooperative: a kernel on another stream that holds SMs
+  (NCCL's, say) delays the programs that wait until it ends; one that waited on this GEMM would hang it.
 - lora_A's pieces ride in c_smem between C's stores (the K-steps before START let the last store drain).
 - Atomics add in no fixed order, so s and y vary in their last bits from run to run (13 float32 parts a row block at
   8192 x 4096 -> 4096 on 132 SMs: 0 of 6 repeats gave the same bits, H100). With fixed_order (inference, so that a
