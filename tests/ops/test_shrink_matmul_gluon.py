@@ -53,6 +53,20 @@ def operands(m, k, n, r, dtype, adapter_dtype, bias_dtype):
     return x, weight, lora_A, lora_B, bias
 
 
+def assert_matches_float64(y, s, x, weight, lora_A, lora_B, bias):
+    # s = x A^T and y = x W^T + SCALE * s B^T + bias against float64, by DESIGN.md's rule in x's dtype (s in float32
+    # where the adapters are float32-class: bf16 pieces of lora_A)
+    dtype = x.dtype
+    s_exact = x.double() @ lora_A.double().t()
+    if lora_in_fp32(dtype, lora_A.dtype):
+        assert_close(s, s_exact, torch.float32, x.float() @ lora_A.float().t(), "s")
+    else:
+        assert_close(s, s_exact, dtype, x @ lora_A.to(dtype).t(), "s")
+    y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
+    y_plain = lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE, bias)
+    assert_close(y, y_exact, dtype, y_plain, "y")
+
+
 @hopper
 @pytest.mark.parametrize("m, k, n, programs", [(300, 4096, 1000, None), (1000, 2056, 4000, None),
                                                (4096, 640, 8192, None), (9000, 1024, 4096, None),
@@ -77,14 +91,7 @@ def test_shrink_matmul_matches_float64(m, k, n, programs, r, dtype, adapter_dtyp
     x, weight, lora_A, lora_B, bias = operands(m, k, n, r, dtype, adapter_dtype, bias_dtype)
     assert tma_ready(x, weight.t()) and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)
     y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, programs or sm_count(x.device))
-    s_exact = x.double() @ lora_A.double().t()
-    if lora_in_fp32(dtype, adapter_dtype):  # float32-class: bf16 pieces of lora_A
-        assert_close(s, s_exact, torch.float32, x.float() @ lora_A.float().t(), "s")
-    else:
-        assert_close(s, s_exact, dtype, x @ lora_A.to(dtype).t(), "s")
-    y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
-    y_plain = lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE, bias)
-    assert_close(y, y_exact, dtype, y_plain, "y")
+    assert_matches_float64(y, s, x, weight, lora_A, lora_B, bias)
 
 
 @hopper
@@ -95,11 +102,7 @@ def test_a_16_bit_lora_A_at_an_odd_offset_is_copied_for_tma():
     lora_A = (torch.randn(16 * 2056 + 1) / 2056**0.5).to(torch.bfloat16)[1:].view(16, 2056)
     assert lora_A.data_ptr() % 16 != 0 and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)
     y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sm_count(x.device))
-    s_exact = x.double() @ lora_A.double().t()
-    assert_close(s, s_exact, torch.bfloat16, x @ lora_A.t(), "s")
-    y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
-    assert_close(y, y_exact, torch.bfloat16, lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE,
-                                                                     bias), "y")
+    assert_matches_float64(y, s, x, weight, lora_A, lora_B, bias)
 
 
 @hopper
@@ -123,14 +126,7 @@ def test_fixed_order_matches_float64_and_repeats_its_bits(m, k, n, programs, r, 
     contributors = contributors_for(-(-n // 256), -(-k // 64), programs_used)
     assert contributors == 2 if m == 300 else contributors > 2  # the summer's cases do run the summer
     first = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sms, fixed_order=True)
-    y, s = first
-    s_exact = x.double() @ lora_A.double().t()
-    if lora_in_fp32(dtype, adapter_dtype):
-        assert_close(s, s_exact, torch.float32, x.float() @ lora_A.float().t(), "s")
-    else:
-        assert_close(s, s_exact, dtype, x @ lora_A.to(dtype).t(), "s")
-    y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
-    assert_close(y, y_exact, dtype, lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE, bias), "y")
+    assert_matches_float64(*first, x, weight, lora_A, lora_B, bias)
     for _ in range(3):
         y, s = shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, bias, sms, fixed_order=True)
         assert torch.equal(y, first[0]) and torch.equal(s, first[1])
