@@ -117,6 +117,24 @@ def timing_rows(tags, bench, shape, mode, times, baseline, metric="", values=Non
             for provider, (median, p20, p80) in times.items()]
 
 
+def adapter_probe(bench, mode, probe_case, shapes, rows, rank, args):
+    """Runs probe_case(k_in, n_out, adapter_dtype, rounds) -> ({provider: (median, p20, p80) ms}, {provider: relative
+    error to float64}) for each (in, out) of `shapes` with float32 and bf16 adapters, and appends the rows to
+    <args.out>/<bench>.csv (ratio to the "cublas" provider). Returns [(shape, cuBLAS ms, {provider: ratio},
+    errors)] for the probe's table."""
+    tags, table_rows, table = environment(), [], []
+    for (k_in, n_out) in shapes:
+        for adapter_dtype, adapters in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            shape = f"M{rows}_K{k_in}_N{n_out}_r{rank}_{adapters}_adapters"
+            times, errors = probe_case(k_in, n_out, adapter_dtype, args.rounds)
+            floor = times["cublas"][0]
+            table_rows += timing_rows(tags, bench, shape, mode, times, "cublas", "rel_err_fp64", errors)
+            table.append((shape, floor, {key: t[0] / floor for key, t in times.items()}, errors))
+            print(table[-1], flush=True)
+    write_rows(table_rows, bench, [args.out])
+    return table
+
+
 def write_rows(rows, bench, out_dirs):
     """Append rows (dicts with the COLUMNS) to <dir>/<bench>.csv for each dir."""
     for out_dir in out_dirs:

@@ -15,8 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (capture, environment, probe_args, time_alternating, timing_rows,  # noqa: E402
-                               write_rows)
+from benchmarks.common import adapter_probe, capture, probe_args, time_alternating  # noqa: E402
 
 from lorafuse.ops._shrink_matmul_gluon import shrink_matmul_gluon, shrink_matmul_ready  # noqa: E402
 from lorafuse.ops._tiles import sm_count  # noqa: E402
@@ -66,17 +65,7 @@ def probe_case(k_in, n_out, adapter_dtype, rounds):
 
 
 def main():
-    args = probe_args(__doc__)
-    tags, rows, table = environment(), [], []
-    for (k_in, n_out) in SHAPES:
-        for adapter_dtype, adapters in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-            shape = f"M{ROWS}_K{k_in}_N{n_out}_r{RANK}_{adapters}_adapters"
-            times, errors = probe_case(k_in, n_out, adapter_dtype, args.rounds)
-            floor = times["cublas"][0]
-            rows += timing_rows(tags, "shrink_matmul", shape, "fwd_graph", times, "cublas", "rel_err_fp64", errors)
-            table.append((shape, floor, {key: t[0] / floor for key, t in times.items()}, errors))
-            print(table[-1], flush=True)
-    write_rows(rows, "shrink_matmul", [args.out])
+    table = adapter_probe("shrink_matmul", "fwd_graph", probe_case, SHAPES, ROWS, RANK, probe_args(__doc__))
     print("\nratio to cuBLAS's GEMM alone (graph-replayed, alternating); error: largest relative error to float64")
     print(f"{'shape':42s} {'cuBLAS us':>9s} {'separate':>9s} {'fused':>9s} {'fixed':>9s} {'error':>8s}")
     for shape, floor, ratios, errors in table:

@@ -14,23 +14,42 @@ The rank-r operands are packed by one Triton launch (`rank_r_operands`): L = [sc
 in A's dtype. float32 adapters on bf16 activations go as bf16 pieces along K (_bf16_pieces.py): L = [l0 | l1 | l0],
 R = [r0; r0; r1], the three largest piece products, as the Triton kernel's epilogue adds them. A bias of another
 dtype goes as two pieces. Widths are padded to 8 columns (TMA's 16-byte rows); the descriptors read zeros past them.
+
+The backward's dx GEMM (dx = g W + ds A, no dropout) can also make dA = ds^T x (`dx_and_shrink_grad_gluon`): each
+tile runs two more steps, L's box transposed against two boxes of x at the tile's rows and columns, so x's own pass
+for dA goes. L then holds all three pieces of ds (L = [l0 | l1 | l0 | l2], R = [r0; r0; r1; 0]). H200, 8192 rows,
+r = 16, x cuBLAS's g W alone, with the packing: 1.018-1.087 against 1.024-1.106 for dA's pass and the GEMM
+(benchmarks/probe_shrink_grad_gemm.py, results/shrink_grad_gemm.csv).
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces_reference, split_bf16
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
-from ._tiles import lora_in_fp32
+from ._tiles import atomic_partial_sums, lora_in_fp32, padded_rank, store_partial, summed
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 NUM_BUFFERS, GROUP_M, WARPS = 3, 8, 8  # 3 x 48 KiB of operand ring + 64 KiB for C's store: 208 KiB of shared memory
 
 
-def rank_r_width(r: int, pieces: bool, bias_columns: int) -> int:
+def rank_r_width(r: int, pieces: bool, bias_columns: int, all_low_pieces: bool = False) -> int:
     """Columns of L (rows of R), padded to 8: TMA needs 16-byte row strides."""
-    return triton.cdiv((3 * r if pieces else r) + bias_columns, 8) * 8
+    return triton.cdiv(_low_groups(pieces, all_low_pieces) * _group_width(r, pieces, all_low_pieces) + bias_columns,
+                       8) * 8
+
+
+def _low_groups(pieces: bool, all_low_pieces: bool) -> int:
+    # groups of columns in L: low's pieces l0 | l1 | l0 (| l2 with all_low_pieces), or low itself
+    return (4 if all_low_pieces else 3) if pieces else 1
+
+
+def _group_width(r: int, pieces: bool, all_low_pieces: bool) -> int:
+    # columns a group of L takes: r, or for all of low's pieces padded_rank(r), so that the GEMM reads the groups of
+    # L^T x as slices of rows whose sizes are powers of two
+    return padded_rank(r) if pieces and all_low_pieces else r
 
 
 def gluon_gemm_ready(a, b, right, pieces: bool) -> bool:
@@ -45,14 +64,20 @@ def gluon_gemm_ready(a, b, right, pieces: bool) -> bool:
             and (pieces or not lora_in_fp32(a.dtype, right.dtype)))
 
 
-def rank_r_operands_reference(low, right, scale, bias, dtype, pieces):
+def rank_r_operands_reference(low, right, scale, bias, dtype, pieces, all_low_pieces=False):
     """(L [M, W], R [W, N]) in `dtype`, L @ R == scale * low @ right + bias as rank_r_operands packs them (unpadded).
-    pieces: float32 low and right as bf16 pieces (the three largest products)."""
+    pieces: float32 low and right as bf16 pieces (the three largest products). all_low_pieces (with pieces): L also
+    holds low's third piece, against zeros in R, so that L's columns carry all of scale * low, and each group of
+    columns is padded to padded_rank(r) (dx_and_shrink_grad_gluon)."""
     # low: [M, r] fp32, right: [r, N], bias: [N] or None
     low = low.float() * scale
     if pieces:
-        (l0, l1, _), (r0, r1, _) = bf16_pieces_reference(low), bf16_pieces_reference(right)
+        (l0, l1, l2), (r0, r1, _) = bf16_pieces_reference(low), bf16_pieces_reference(right)
         left, right = [l0, l1, l0], [r0, r0, r1]
+        if all_low_pieces:
+            pad = padded_rank(low.shape[1]) - low.shape[1]
+            left = [F.pad(piece, (0, pad)) for piece in left + [l2]]
+            right = [F.pad(piece, (0, 0, 0, pad)) for piece in right + [torch.zeros_like(r0)]]
     else:
         left, right = [low.to(dtype)], [right.to(dtype)]
     if bias is not None:  # a bias of another dtype as two pieces in `dtype`
@@ -65,32 +90,33 @@ def rank_r_operands_reference(low, right, scale, bias, dtype, pieces):
 
 @triton.jit
 def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, split_ptr, split_out_ptr, zero_ptr, M, N, rank, scale,
-                 stride_rr, stride_rn, width, split_n, zero_n, PIECES: tl.constexpr, BIAS_COLUMNS: tl.constexpr,
-                 R_K_MAJOR: tl.constexpr, SPLIT: tl.constexpr, ZERO: tl.constexpr, W: tl.constexpr,
-                 BLOCK: tl.constexpr, FLAT: tl.constexpr):
+                 stride_rr, stride_rn, width, group_width, split_n, zero_n, PIECES: tl.constexpr,
+                 BIAS_COLUMNS: tl.constexpr, GROUPS: tl.constexpr, R_K_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
+                 ZERO: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, FLAT: tl.constexpr):
     # low: [M, rank] fp32 contiguous; right: [rank, N] (strides stride_rr, stride_rn); bias: [N]
     # L: [M, width], R: [N, width] when R_K_MAJOR else [width, N]; W: width rounded up to a power of two
     # split: [split_n] fp32 -> split_out: [SPLIT, split_n] (its bf16 pieces, or with SPLIT == 1 its cast); zero:
     # [zero_n] int32. Programs in turn: cdiv(M, BLOCK) write rows of L, cdiv(N, BLOCK) columns of R, then FLAT
-    # elements each of split's pieces (with SPLIT) and of zeros (with ZERO). Column c of L (row of R) holds piece
-    # c // rank of rank index c % rank, then the bias columns, then zeros.
+    # elements each of split's pieces (with SPLIT) and of zeros (with ZERO). Column c of L (row of R) holds group
+    # c // group_width (of GROUPS: _low_groups) of rank index c % group_width (zero past rank), then the bias
+    # columns, then zeros.
     dtype = l_ptr.dtype.element_ty
     pid = tl.program_id(0)
     row_blocks = tl.cdiv(M, BLOCK)
     right_end = row_blocks + tl.cdiv(N, BLOCK)
     split_end = right_end + (tl.cdiv(split_n, FLAT) if SPLIT > 0 else 0)
     cols = tl.arange(0, W)
-    term_cols = 3 * rank if PIECES else rank
-    piece, j = cols // rank, cols % rank
-    in_term = cols < term_cols
+    term_cols = GROUPS * group_width
+    piece, j = cols // group_width, cols % group_width
+    in_term = (cols < term_cols) & (j < rank)
     bias_col = cols - term_cols
     if pid < row_blocks:
         rows = pid * BLOCK + tl.arange(0, BLOCK)
         v = scale * tl.load(low_ptr + rows[:, None].to(tl.int64) * rank + j[None, :],
                             mask=(rows[:, None] < M) & in_term[None, :], other=0.0)
         if PIECES:
-            hi, mid, _ = split_bf16(v)
-            v = tl.where(piece[None, :] == 1, mid, hi)  # l0 | l1 | l0
+            hi, mid, lo = split_bf16(v)
+            v = tl.where(piece[None, :] == 1, mid, tl.where(piece[None, :] == 3, lo, hi))  # l0 | l1 | l0 (| l2)
         ones = (bias_col >= 0) & (bias_col < BIAS_COLUMNS)
         v = tl.where(ones[None, :], 1.0, v.to(tl.float32))
         tl.store(l_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], v.to(dtype),
@@ -102,7 +128,8 @@ def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, split_ptr, split_ou
                     other=0.0).to(tl.float32)
         if PIECES:
             hi, mid, _ = split_bf16(v)
-            v = tl.where(piece[None, :] == 2, mid, hi).to(tl.float32)  # r0; r0; r1
+            # r0; r0; r1 (; 0)
+            v = tl.where(piece[None, :] == 2, mid, tl.where(piece[None, :] == 3, 0.0, hi)).to(tl.float32)
         if BIAS_COLUMNS > 0:
             b = tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
             b_hi = b.to(dtype).to(tl.float32)
@@ -131,15 +158,16 @@ def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, split_ptr, split_ou
         tl.store(zero_ptr + offs, tl.zeros([FLAT], tl.int32), mask=offs < zero_n)
 
 
-def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major, split=None, zeroed=None):
+def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major, split=None, zeroed=None, all_low_pieces=False):
     """(L [M, width], R [N, width] if r_k_major else [width, N], split's pieces or None) in `dtype`:
     rank_r_operands_reference zero-padded to rank_r_width columns. The same launch also writes the bf16 pieces of a
     float32 `split` ([3, *split.shape], or with `pieces` False split cast to dtype: [1, *split.shape]) and zeroes the
-    int32 tensor `zeroed`: the operands that _shrink_matmul_gluon's GEMM reads, without a launch each."""
+    int32 tensor `zeroed`: the operands that _shrink_matmul_gluon's GEMM reads, without a launch each.
+    all_low_pieces: as rank_r_operands_reference's (the dx GEMM that also makes dA)."""
     # low: [M, r] fp32, right: [r, N] (any strides), bias: [N] or None, split: fp32 (any shape), zeroed: int32
     M, r, N = low.shape[0], right.shape[0], right.shape[1]
     bias_columns = 0 if bias is None else 1 if bias.dtype == dtype else 2
-    width = rank_r_width(r, pieces, bias_columns)
+    width = rank_r_width(r, pieces, bias_columns, all_low_pieces)
     left = torch.empty(M, width, device=low.device, dtype=dtype)
     r_out = torch.empty((N, width) if r_k_major else (width, N), device=low.device, dtype=dtype)
     split_parts = 0 if split is None else 3 if pieces else 1
@@ -151,8 +179,9 @@ def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major, split=Non
         triton.cdiv(zero_n, flat)
     _pack_rank_r[(programs,)](
         low.contiguous(), right, bias, left, r_out, split, split_out, zeroed, M, N, r, scale, right.stride(0),
-        right.stride(1), width, split.numel(), zero_n, PIECES=pieces, BIAS_COLUMNS=bias_columns, R_K_MAJOR=r_k_major,
-        SPLIT=split_parts, ZERO=zeroed is not None, W=triton.next_power_of_2(width), BLOCK=block, FLAT=flat)
+        right.stride(1), width, _group_width(r, pieces, all_low_pieces), split.numel(), zero_n, PIECES=pieces,
+        BIAS_COLUMNS=bias_columns, GROUPS=_low_groups(pieces, all_low_pieces), R_K_MAJOR=r_k_major, SPLIT=split_parts,
+        ZERO=zeroed is not None, W=triton.next_power_of_2(width), BLOCK=block, FLAT=flat)
     return left, r_out, split_out if split_parts else None
 
 
@@ -213,13 +242,76 @@ if gluon is not None:
         return mmas + 1, warpgroup_mma(a_ring.index(index), b, acc, use_acc=use_acc, is_async=True)
 
     @gluon.jit
-    def _gemm_rank_r(a_desc, b_desc, l_desc, r_desc, c_desc, M, N, K, RANK_STEPS: gl.constexpr,
-                     B_K_MAJOR: gl.constexpr, NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr,
-                     num_warps: gl.constexpr):
+    def _load_grad_step(loads, half, off_m, off_n, l_desc, x_desc, ready, a_ring, b_ring):
+        # The loads of a shrink-gradient step (_gemm_rank_r's SHRINK_GRAD) into ring slot loads % buffers: L's first
+        # box of the tile's rows (A's slot) and the `half`-th [BK, BN] box of x at the tile's rows and columns (B's).
+        index = loads % a_ring.type.shape[0]
+        bar = ready.index(index)
+        mbarrier.expect(bar, l_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(l_desc, [off_m, 0], bar, a_ring.index(index))
+        tma.async_copy_global_to_shared(x_desc, [off_m + half * x_desc.block_type.shape[0], off_n], bar,
+                                        b_ring.index(index))
+        return loads + 1
+
+    @gluon.jit
+    def _grad_mma_step(mmas, acc, grad, HALF: gl.constexpr, ready, a_ring, b_ring):
+        # As _mma_step, for grad (+)= L[rows of this half, :BK]^T @ x[rows of this half, columns]: A is L's box
+        # transposed in shared memory, [BK (L's columns), BK (rows)]; B is x's box, [BK (rows), BN].
+        buffers: gl.constexpr = a_ring.type.shape[0]
+        rows: gl.constexpr = b_ring.type.shape[1]
+        index = mmas % buffers
+        mbarrier.wait(ready.index(index), mmas // buffers & 1)
+        acc, grad = warpgroup_mma_wait(num_outstanding=0, deps=(acc, grad))
+        low_t = a_ring.index(index).slice(HALF * rows, rows, dim=0).permute((1, 0))
+        return mmas + 1, acc, warpgroup_mma(low_t, b_ring.index(index), grad, use_acc=HALF > 0, is_async=True)
+
+    @gluon.jit
+    def _store_shrink_grad(grad, c_smem, grad_ptr, part, off_n, N, rank, GROUP_ROWS: gl.constexpr,
+                           LOW_PIECES: gl.constexpr, ATOMIC: gl.constexpr, num_warps: gl.constexpr):
+        # grad: [BK, BN] fp32, L[:, :BK]^T x for one tile: with LOW_PIECES row g * GROUP_ROWS + j holds group g
+        # (l0, l1, l0, l2) of rank index j, else row j rank index j. Its rank rows (l0 + l1 + l2) are added into
+        # grad_ptr ([rank, N], ATOMIC) or stored as partial sum number `part` ([parts, rank, N]). H200, 8192 x
+        # 4096 -> 4096, x cuBLAS: the pieces summed through C's staging tile first, 1.080, against an atomic a piece
+        # from the MMA's registers, 1.107; one group from the registers, 1.056-1.073, against 1.070-1.071 through
+        # shared memory.
+        BLOCK_N: gl.constexpr = grad.type.shape[1]
+        if ATOMIC and not LOW_PIECES:
+            mma_layout: gl.constexpr = grad.type.layout
+            rows = gl.arange(0, grad.type.shape[0], layout=gl.SliceLayout(1, mma_layout))
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+            gl.atomic_add(grad_ptr + rows[:, None] * N + cols[None, :], grad,
+                          mask=(rows < rank)[:, None] & (cols < N)[None, :], sem="relaxed")
+        else:
+            scratch = c_smem._reinterpret(gl.float32, grad.type.shape,
+                                          gl.NVMMASharedLayout.get_default_for(grad.type.shape, gl.float32))
+            tma.store_wait(pendings=0)  # the tile before's C has left it (long since: steps ago)
+            scratch.store(grad)
+            gl.thread_barrier()
+            layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            for chunk in gl.static_range(0, GROUP_ROWS, 16):  # 16 rows at a time: 64 at once spilled (rank 64)
+                total = scratch.slice(chunk, 16, dim=0).load(layout)
+                if LOW_PIECES:  # group 2 repeats l0 (against R's r1)
+                    total += scratch.slice(GROUP_ROWS + chunk, 16, dim=0).load(layout)
+                    total += scratch.slice(3 * GROUP_ROWS + chunk, 16, dim=0).load(layout)
+                rows = chunk + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+                store_partial(grad_ptr, part, rank * N, rows[:, None] * N + cols[None, :], total,
+                              (rows < rank)[:, None] & (cols < N)[None, :], ATOMIC)
+            gl.thread_barrier()  # read by every warp before the tile's C store may reuse it
+
+    @gluon.jit
+    def _gemm_rank_r(a_desc, b_desc, l_desc, r_desc, c_desc, x_desc, grad_ptr, M, N, K, rank,
+                     RANK_STEPS: gl.constexpr, B_K_MAJOR: gl.constexpr, SHRINK_GRAD: gl.constexpr,
+                     GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr, ATOMIC: gl.constexpr,
+                     NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
         # A: [M, K] in [BM, BK] boxes; B: [N, K] in [BN, BK] boxes when B_K_MAJOR (x @ W^T), else [K, N] in [BK, BN];
         # L: [M, width] in A's boxes, R: like B with width for K; C: [M, N] in [BM, BN] boxes. Persistent: program p
         # takes tiles p, p + programs, ... Each tile runs cdiv(K, BK) + RANK_STEPS steps; the loads of a tile's
         # first NUM_BUFFERS - 1 steps go out while the tile before finishes, and its C store drains during the next.
+        # SHRINK_GRAD (B [K, N], width <= BK, cdiv(K, BK) >= 3): two more steps a tile make L[:, :BK]^T @ x for its
+        # rows and columns (x: [M, N] in B's boxes), which _store_shrink_grad adds to grad (ATOMIC: [rank, N] fp32,
+        # zeroed) or stores as the row block's partial sum ([cdiv(M, BM), rank, N]): the layer's dA = ds^T x beside
+        # dx = g W + ds A.
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -243,12 +335,45 @@ if gluon is not None:
         for s in gl.static_range(NUM_BUFFERS - 1):
             loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring, b_ring,
                                B_K_MAJOR, True)
+        if SHRINK_GRAD:
+            # the steps are placed by hand for loads two steps ahead; one warpgroup's rows (64) cover L's box
+            gl.static_assert(NUM_BUFFERS == 3 and BLOCK_M == 2 * BLOCK_K and not B_K_MAJOR)
+            grad_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, BLOCK_N // (num_warps // 4), 16])
+            grad = gl.zeros((BLOCK_K, BLOCK_N), gl.float32, grad_layout)
+            # The K-step after which this program's tiles run L^T x (in [2, steps - 2]), spread over the tile across
+            # the programs, which run in step: at every tile's end, all programs' reads of x and atomics at once left
+            # the tensor cores waiting (H200, 8192 x 4096 -> 4096, float32 adapters: 1.141 x cuBLAS against 1.095)
+            grad_at = 2 + tile * (steps - 3) // programs
         for _ in range(gl.cdiv(blocks_m * blocks_n - tile, programs)):
             mmas, acc = _mma_step(mmas, acc, False, ready, a_ring, b_ring, B_K_MAJOR)
-            for s in range(NUM_BUFFERS - 1, steps):
-                loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
-                                   b_ring, B_K_MAJOR, True)
+            if SHRINK_GRAD:  # K-steps, L^T x's two steps after K-step grad_at - 1, the rest of the K-steps
+                for s in range(NUM_BUFFERS - 1, grad_at):
+                    loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
+                                       b_ring, B_K_MAJOR, True)
+                    mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
+                loads = _load_grad_step(loads, 0, off_m, off_n, l_desc, x_desc, ready, a_ring, b_ring)
                 mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
+                loads = _load_grad_step(loads, 1, off_m, off_n, l_desc, x_desc, ready, a_ring, b_ring)
+                mmas, acc, grad = _grad_mma_step(mmas, acc, grad, 0, ready, a_ring, b_ring)
+                loads = _load_step(loads, grad_at, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready,
+                                   a_ring, b_ring, B_K_MAJOR, True)
+                mmas, acc, grad = _grad_mma_step(mmas, acc, grad, 1, ready, a_ring, b_ring)
+                loads = _load_step(loads, grad_at + 1, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready,
+                                   a_ring, b_ring, B_K_MAJOR, True)
+                mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
+                grad = warpgroup_mma_wait(num_outstanding=1, deps=(grad,))  # the K-step's MMA still runs
+                _store_shrink_grad(grad, c_smem, grad_ptr, pid_m, off_n, N, rank, GROUP_ROWS, LOW_PIECES, ATOMIC,
+                                   num_warps)
+                for s in range(grad_at + 2, steps):
+                    loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
+                                       b_ring, B_K_MAJOR, True)
+                    mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
+            else:
+                for s in range(NUM_BUFFERS - 1, steps):
+                    loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
+                                       b_ring, B_K_MAJOR, True)
+                    mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
             store_m = off_m
             store_n = off_n
             tile += programs
@@ -271,6 +396,21 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
 
+def _descriptors(a, b, left, r_op, c, b_k_major):
+    # TMA descriptors of A, B, L, R and C for _gemm_rank_r, and B's box and layout (x's, with SHRINK_GRAD)
+    dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    a_box = [BLOCK_M, BLOCK_K]
+    b_box = [BLOCK_N, BLOCK_K] if b_k_major else [BLOCK_K, BLOCK_N]
+    a_layout = gl.NVMMASharedLayout.get_default_for(a_box, dtype)
+    b_layout = gl.NVMMASharedLayout.get_default_for(b_box, dtype)
+    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    return (TensorDescriptor.from_tensor(a, a_box, a_layout),
+            TensorDescriptor.from_tensor(b.t() if b_k_major else b, b_box, b_layout),
+            TensorDescriptor.from_tensor(left, a_box, a_layout),
+            TensorDescriptor.from_tensor(r_op, b_box, b_layout),
+            TensorDescriptor.from_tensor(c, [BLOCK_M, BLOCK_N], c_layout)), b_box, b_layout
+
+
 def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     """C = a @ b + scale * (low @ right) + bias through _gemm_rank_r (gluon_gemm_ready holds); None if the kernel
     failed to run the first time (_gluon.launch_or_fall_back)."""
@@ -280,19 +420,51 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     b_k_major = b.stride(0) == 1
     left, r_op, _ = rank_r_operands(low, right, scale, bias, a.dtype, pieces, b_k_major)
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-    a_box = [BLOCK_M, BLOCK_K]
-    b_box = [BLOCK_N, BLOCK_K] if b_k_major else [BLOCK_K, BLOCK_N]
-    a_layout = gl.NVMMASharedLayout.get_default_for(a_box, dtype)
-    b_layout = gl.NVMMASharedLayout.get_default_for(b_box, dtype)
-    descriptors = (TensorDescriptor.from_tensor(a, a_box, a_layout),
-                   TensorDescriptor.from_tensor(b.t() if b_k_major else b, b_box, b_layout),
-                   TensorDescriptor.from_tensor(left, a_box, a_layout),
-                   TensorDescriptor.from_tensor(r_op, b_box, b_layout),
-                   TensorDescriptor.from_tensor(c, [BLOCK_M, BLOCK_N],
-                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)))
+    descriptors, _, _ = _descriptors(a, b, left, r_op, c, b_k_major)
     programs = min(sms, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N))
     ran = launch_or_fall_back("_gemm_rank_r", lambda: _gemm_rank_r[(programs,)](
-        *descriptors, M, N, K, RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K), B_K_MAJOR=b_k_major,
+        *descriptors, None, None, M, N, K, right.shape[0], RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K),
+        B_K_MAJOR=b_k_major, SHRINK_GRAD=False, GROUP_ROWS=0, LOW_PIECES=pieces, ATOMIC=False,
         NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
     return c if ran else None
+
+
+MAX_PARTS_BYTES = 256 << 20  # dA's partial sums (deterministic algorithms) past this: dA's own pass instead
+
+
+def shrink_grad_gemm_ready(g, weight, lora_A, x, pieces) -> bool:
+    """Whether dx_and_shrink_grad_gluon takes these operands: lora_matmul's Gluon GEMM with weight as B (contiguous)
+    and at least three K-steps, x in g's dtype with TMA's alignment, L's columns (all of ds's pieces, or ds in x's
+    dtype) in one K-step, and dA's partial sums, where deterministic algorithms keep them, within MAX_PARTS_BYTES."""
+    # g: [M, N], weight: [N, K], lora_A: [r, K], x: [M, K]
+    M, K, r = x.shape[0], x.shape[1], lora_A.shape[0]
+    parts = triton.cdiv(M, BLOCK_M)
+    return (gluon_gemm_ready(g, weight, lora_A, pieces) and weight.stride(1) == 1 and x.dtype == g.dtype
+            and g.shape[1] > 2 * BLOCK_K  # L^T x's steps go between K-steps
+            and x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+            and rank_r_width(r, pieces, 0, all_low_pieces=pieces) <= BLOCK_K
+            and (atomic_partial_sums(parts) or parts * r * K * 4 <= MAX_PARTS_BYTES))
+
+
+def dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sms):
+    """(dx, dA) of the layer's backward without dropout, from one GEMM (shrink_grad_gemm_ready holds; the caller
+    checked the GEMM's own TMA alignment): dx = g @ weight + ds @ lora_A, dA = ds^T @ x ([r, K] fp32; the row blocks'
+    parts added with float32 atomics, or summed in order under deterministic algorithms: _tiles.atomic_partial_sums).
+    None if the kernel failed to run the first time."""
+    # g: [M, N], weight: [N, K], ds: [M, r] fp32, lora_A: [r, K], x: [M, K]
+    M, N = g.shape
+    K = weight.shape[1]
+    r = lora_A.shape[0]
+    parts = triton.cdiv(M, BLOCK_M)
+    atomic = atomic_partial_sums(parts)
+    da = torch.empty((r, K) if atomic else (parts, r, K), device=g.device, dtype=torch.float32)
+    left, r_op, _ = rank_r_operands(ds, lora_A, 1.0, None, g.dtype, pieces, False,
+                                    zeroed=da.view(torch.int32) if atomic else None, all_low_pieces=pieces)
+    dx = torch.empty(M, K, device=g.device, dtype=g.dtype)
+    descriptors, x_box, x_layout = _descriptors(g, weight, left, r_op, dx, False)
+    programs = min(sms, parts * triton.cdiv(K, BLOCK_N))
+    ran = launch_or_fall_back("_gemm_rank_r+shrink_grad", lambda: _gemm_rank_r[(programs,)](
+        *descriptors, TensorDescriptor.from_tensor(x, x_box, x_layout), da, M, K, N, r, RANK_STEPS=1,
+        B_K_MAJOR=False, SHRINK_GRAD=True, GROUP_ROWS=padded_rank(r), LOW_PIECES=pieces, ATOMIC=atomic,
+        NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
+    return (dx, summed(da, atomic)) if ran else None

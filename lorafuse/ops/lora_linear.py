@@ -8,7 +8,8 @@ LORAFUSE_GEMM environment variable or the `gemm` argument:
   "triton"  the GEMM is `lora_matmul` (TMA tiles on Hopper), with the rank-r term, bias and
             activation in its epilogue: no pass over y, nor over dx without dropout; on Hopper without
             dropout or activation, up to 4096 output columns, the forward's shrink runs inside that GEMM
-            too (_shrink_matmul_gluon.py);
+            too (_shrink_matmul_gluon.py), and without dropout the backward's dx GEMM also makes dA
+            (_lora_matmul_gluon.dx_and_shrink_grad_gluon);
   "cublas"  cuBLAS, accumulating into a buffer that the adapter kernels pre-wrote
             (addmm with beta=1): one extra write of y and of dx;
   "auto"    the one measured faster for the shape and device (benchmarks/bench_lora_layer.py).
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
 from ._bf16_pieces import uses_bf16_pieces
+from ._lora_matmul_gluon import dx_and_shrink_grad_gluon, shrink_grad_gemm_ready
 from ._shrink_matmul_gluon import SHRINK_IN_GEMM_UP_TO_N, shrink_matmul_gluon, shrink_matmul_ready
 from ._tiles import adapter_math, lora_in_fp32, padded_rank, sm_count
 from .activation import ACTIVATIONS, activation_id, activation_reference
@@ -140,8 +142,7 @@ class _LoraLinear(torch.autograd.Function):
         # masked pre-write and read-back cost (H200, NOTES_lora_layer.md). With dropout dx takes the cuBLAS
         # route even when the forward ran the Triton GEMM.
         if need_x and ctx.gemm == "triton" and p == 0.0:
-            dA = lora_shrink_backward(ds, x, lora_A)
-            dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0, tma=True)
+            dx, dA = _dx_and_shrink_grad(g, weight, ds, lora_A, x)
         elif need_x:
             dx = torch.empty_like(x)
             dA = lora_shrink_backward(ds, x, lora_A, p, seed, dx_out=dx)
@@ -152,6 +153,20 @@ class _LoraLinear(torch.autograd.Function):
         bias_dtype, a_dtype, b_dtype = ctx.dtypes
         return (dx, dW, dbias.to(bias_dtype) if need_bias else None, dA.to(a_dtype) if need_a else None,
                 dB.to(b_dtype) if need_b else None, None, None, None, None, None)
+
+
+def _dx_and_shrink_grad(g, weight, ds, lora_A, x):
+    """(dx, dA) without dropout: dx = g W + ds A and dA = ds^T x. On Hopper one Gluon GEMM makes both, dA from two
+    more steps a dx tile, and the pass over x that dA took is gone (_lora_matmul_gluon.dx_and_shrink_grad_gluon)."""
+    # g: [M, N], weight: [N, K], ds: [M, r] fp32, lora_A: [r, K], x: [M, K]
+    pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
+    if tma_ready(g, weight) and shrink_grad_gemm_ready(g, weight, lora_A, x, pieces):
+        fused = dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sm_count(x.device))
+        if fused is not None:
+            return fused
+    dA = lora_shrink_backward(ds, x, lora_A)
+    dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0, tma=True)
+    return dx, dA
 
 
 def _reference_of_apply(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):

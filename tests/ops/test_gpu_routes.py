@@ -4,7 +4,8 @@ for real.
 - `_launch_bound` itself: an eager call of a few rows runs PyTorch's launches (the reference), the same call inside a
   CUDA-graph capture runs lora_decode's kernels, and the replayed graph gives lora_decode's result.
 - dx through the fused TMA GEMM at its default 128x256 tiles (Hopper: the Gluon kernel): "auto" takes it at training
-  sizes, with odd ranks, float32 adapters (bf16 pieces) and bf16 ones.
+  sizes, with odd ranks, float32 adapters (bf16 pieces) and bf16 ones; on Hopper, outside deterministic algorithms and
+  up to the ranks that fit, the same GEMM also makes dA (two more steps a tile), checked alone against float64.
 - the Triton TMA kernel at those tiles, with the Gluon one turned off (what runs with an activation or a stored Z, on
   Blackwell, or on a Triton whose Gluon is not the tested one).
 - lora_matmul's Gluon GEMM (Hopper) against float64: odd edges, ranks 1-64, bias in x's dtype or float32, x W^T and
@@ -24,6 +25,9 @@ import pytest
 import torch
 
 from lorafuse.ops import lora_linear, lora_linear_reference
+from lorafuse.ops._bf16_pieces import uses_bf16_pieces
+from lorafuse.ops._lora_matmul_gluon import dx_and_shrink_grad_gluon, rank_r_width, shrink_grad_gemm_ready
+from lorafuse.ops._tiles import sm_count
 from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
 from lorafuse.ops.dropout import keep_mask_reference, keep_scale
 from lorafuse.ops.lora_expand import lora_expand_backward
@@ -94,7 +98,8 @@ def test_launch_bound_eagerly_and_kernels_under_capture(monkeypatch):
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] < 9, reason="TMA needs compute capability >= 9")
 @pytest.mark.parametrize("r", [1, 5, 24, 64])
 @pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32_adapters", "bf16_adapters"])
-def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dA", "deterministic"])
+def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, deterministic, monkeypatch):
     m, k, n = 4096, 520, 8192  # K not a multiple of the 64-wide K tile
     x = torch.randn(m, k, dtype=torch.bfloat16)
     weight = torch.randn(n, k, dtype=torch.bfloat16)
@@ -105,8 +110,76 @@ def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, monkeypa
     real = lora_linear_module.lora_matmul
     monkeypatch.setattr(lora_linear_module, "lora_matmul",
                         lambda *a, **kw: tma_calls.append(kw.get("tma")) or real(*a, **kw))
+    fused = record_launches(monkeypatch, lora_linear_module, "dx_and_shrink_grad_gluon", deterministic)
     check((m, k), n, r, torch.bfloat16, "auto", adapter_dtype=adapter_dtype)
-    assert tma_calls == [True, True]  # forward y and backward dx
+    pieces = adapter_dtype == torch.float32
+    on_hopper = torch.cuda.get_device_capability()[0] == 9
+    if on_hopper and rank_r_width(r, pieces, 0, all_low_pieces=pieces) <= 64:
+        assert tma_calls == [True] and fused == [True]  # forward y; backward dx and dA from one GEMM
+    else:
+        assert tma_calls == [True, True] and fused == []  # forward y and backward dx; dA from its own pass
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
+@pytest.mark.parametrize("m, k, n", [(300, 776, 136), (300, 776, 520), (4100, 8200, 1000)],
+                         ids=["fewest_steps", "one_wave", "many_tiles"])
+@pytest.mark.parametrize("dtype, adapter_dtype, math, r", [
+    (torch.bfloat16, torch.float32, "exact", 1), (torch.bfloat16, torch.float32, "exact", 5),
+    (torch.bfloat16, torch.float32, "exact", 16), (torch.bfloat16, torch.bfloat16, "exact", 5),
+    (torch.bfloat16, torch.bfloat16, "exact", 16), (torch.bfloat16, torch.bfloat16, "exact", 64),
+    (torch.float16, torch.float16, "exact", 16), (torch.bfloat16, torch.float32, "fast", 24)],
+    ids=["pieces_r1", "pieces_r5", "pieces_r16", "bf16_r5", "bf16_r16", "bf16_r64", "fp16_r16", "fast_r24"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dA", "deterministic"])
+def test_gluon_dx_and_shrink_grad_match_float64(m, k, n, dtype, adapter_dtype, math, r, deterministic, monkeypatch):
+    # dx = g W + ds A and dA = ds^T x from one GEMM (the layer's backward without dropout): rows, dx's columns (x's)
+    # and g's columns not multiples of the 128 x 256 x 64 tiles. "fewest_steps": three K-steps, the fewest it takes;
+    # "many_tiles": each program walks several tiles, and 33 row blocks add into each column of dA, with atomics or
+    # as partial sums summed in order (deterministic algorithms: the same bits twice).
+    monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    g = torch.randn(m, n, dtype=dtype)
+    weight = (torch.randn(n, k) / n**0.5).to(dtype)
+    A = (torch.randn(r, k) / k**0.5).to(adapter_dtype)
+    ds = torch.randn(m, r)
+    x = torch.randn(m, k, dtype=dtype)
+    pieces = uses_bf16_pieces(dtype, adapter_dtype)
+    assert pieces == (math == "exact" and adapter_dtype == torch.float32)
+    assert tma_ready(g, weight) and shrink_grad_gemm_ready(g, weight, A, x, pieces)
+    dx, dA = dx_and_shrink_grad_gluon(g, weight, ds, A, x, pieces, sm_count(x.device))
+    exact_dx = lora_matmul_reference(g, weight, ds, A, 1.0, dtype=torch.float64)
+    assert_close(dx, exact_dx, dtype, lora_matmul_reference(g, weight, ds, A, 1.0), "dx")
+    # the bar for dA: PEFT's float32 adapter path, or PyTorch in x's dtype (ds rounded to it, as the kernel does)
+    plain_dA = ds.t() @ x.float() if pieces else ds.to(dtype).t() @ x
+    assert dA.dtype == torch.float32 and dA.shape == A.shape
+    assert_close(dA, ds.double().t() @ x.double(), dtype, plain_dA, "dA")
+    if deterministic:
+        dx_again, dA_again = dx_and_shrink_grad_gluon(g, weight, ds, A, x, pieces, sm_count(x.device))
+        assert torch.equal(dx_again, dx) and torch.equal(dA_again, dA)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
+def test_shrink_grad_gemm_declines_what_it_cannot_take(monkeypatch):
+    # L's columns past one K-step (float32 adapters above rank 16: four groups of pieces), fewer than three K-steps,
+    # fp16 activations with float32 adapters (no 16-bit products), x at an offset TMA cannot read, and dA's partial
+    # sums past MAX_PARTS_BYTES where deterministic algorithms keep them
+    g = torch.randn(300, 520, dtype=torch.bfloat16)
+    weight = torch.randn(520, 776, dtype=torch.bfloat16)
+    x = torch.randn(300, 776, dtype=torch.bfloat16)
+    assert shrink_grad_gemm_ready(g, weight, torch.randn(16, 776), x, True)
+    assert not shrink_grad_gemm_ready(g, weight, torch.randn(17, 776), x, True)
+    assert shrink_grad_gemm_ready(g[:, :136], weight[:136], torch.randn(16, 776), x, True)
+    assert not shrink_grad_gemm_ready(g[:, :128].contiguous(), weight[:128], torch.randn(16, 776), x, True)
+    assert not shrink_grad_gemm_ready(g.half(), weight.half(), torch.randn(8, 776), x.half(), False)
+    odd = torch.randn(300 * 776 + 1, dtype=torch.bfloat16)[1:].view(300, 776)
+    assert not shrink_grad_gemm_ready(g, weight, torch.randn(8, 776, dtype=torch.bfloat16), odd, False)
+    m, k, r = 8192, 16392, 64  # 64 row blocks x 64 x 16392 float32 partial sums: just past 256 MiB
+    g, weight, x = (torch.empty(m, 256, dtype=torch.bfloat16), torch.empty(256, k, dtype=torch.bfloat16),
+                    torch.empty(m, k, dtype=torch.bfloat16))
+    A = torch.empty(r, k, dtype=torch.bfloat16)
+    assert shrink_grad_gemm_ready(g, weight, A, x, False)  # atomics: dA itself
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not shrink_grad_gemm_ready(g, weight, A, x, False)
+    assert shrink_grad_gemm_ready(g, weight, A[:63], x, False)
 
 
 def tma_gemm_operands(m, k, n, r, dtype, adapter_dtype, bias_dtype, forward):

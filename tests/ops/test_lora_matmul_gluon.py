@@ -8,6 +8,7 @@ from lorafuse.ops import _gluon
 
 from lorafuse.ops._bf16_pieces import bf16_pieces_reference
 from lorafuse.ops._lora_matmul_gluon import rank_r_operands, rank_r_operands_reference, rank_r_width
+from lorafuse.ops._tiles import padded_rank
 
 SCALE = 1.3
 
@@ -23,20 +24,29 @@ def rank_r_inputs(m, n, r, right_dtype, bias_dtype):
 @pytest.mark.parametrize("pieces", [True, False], ids=["fp32_pieces", "bf16"])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=["no_bias", "bias", "fp32_bias"])
 @pytest.mark.parametrize("r_k_major", [True, False], ids=["k_major", "rows"])
-def test_rank_r_operands_match_the_reference(r, pieces, bias_dtype, r_k_major):
+@pytest.mark.parametrize("all_low_pieces", [False, True], ids=["three_products", "all_low_pieces"])
+def test_rank_r_operands_match_the_reference(r, pieces, bias_dtype, r_k_major, all_low_pieces):
     m, n = 70, 136  # neither a multiple of the packing block (64)
     low, right, bias = rank_r_inputs(m, n, r, torch.float32 if pieces else torch.bfloat16, bias_dtype)
-    left, r_op, _ = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, r_k_major)
-    ref_left, ref_right = rank_r_operands_reference(low, right, SCALE, bias, torch.bfloat16, pieces)
-    width = rank_r_width(r, pieces, 0 if bias is None else 1 if bias_dtype == torch.bfloat16 else 2)
+    left, r_op, _ = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, r_k_major,
+                                    all_low_pieces=all_low_pieces)
+    ref_left, ref_right = rank_r_operands_reference(low, right, SCALE, bias, torch.bfloat16, pieces, all_low_pieces)
+    width = rank_r_width(r, pieces, 0 if bias is None else 1 if bias_dtype == torch.bfloat16 else 2, all_low_pieces)
     used = ref_left.shape[1]
     assert left.shape == (m, width) and width % 8 == 0 and width - used < 8
     assert r_op.shape == ((n, width) if r_k_major else (width, n))
     r_rows = r_op.t() if r_k_major else r_op
     # Compiled, the kernel may fuse scale * low - hi into one rounding (an FMA): a middle piece then differs from the
     # reference's by up to float32's rounding of the value it splits (2^-24 of it), which may be many of its own
-    # bits when it is small. Anything else (order of the pieces, bias, ones) is off by far more.
-    for got, ref in ((left[:, :used], ref_left), (r_rows[:used], ref_right)):
+    # bits when it is small, and the last piece (all_low_pieces) may take what the middle one rounded the other way:
+    # so the two are compared as their sum. Anything else (order of the pieces, bias, ones) is off by far more.
+    got_left, ref_left = left[:, :used].float(), ref_left.float()
+    if pieces and all_low_pieces:
+        group = padded_rank(r)  # columns a piece takes
+        for t in (got_left, ref_left):
+            t[:, group:2 * group] += t[:, 3 * group:4 * group]  # mid + lo: exact in float32
+            t[:, 3 * group:4 * group] = 0
+    for got, ref in ((got_left, ref_left), (r_rows[:used], ref_right)):
         torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=2**-22 * ref.float().abs().max().item())
     assert not left[:, used:].any() and not r_rows[used:].any()  # the padding multiplies to nothing
 
@@ -51,6 +61,24 @@ def test_rank_r_operands_multiply_to_the_rank_r_term(pieces, bias_dtype):
     exact = SCALE * (low.double() @ right.double()) + (0 if bias is None else bias.double())
     err = ((left.double() @ r_op.double() - exact).norm() / exact.norm()).item()
     assert err < (3e-5 if pieces else 4e-3)
+
+
+@pytest.mark.parametrize("r", [5, 12, 16])
+def test_all_low_pieces_add_a_group_that_only_the_shrink_gradient_reads(r):
+    # The dx GEMM's L with all of ds's pieces (its shrink-gradient steps read L^T x): L @ R is the same rank-r term as
+    # without the fourth group, and groups l0 + l1 + l2, each padded to 16 columns, give scale * low to float32's
+    # rounding.
+    low, right, _ = rank_r_inputs(50, 40, r, torch.float32, None)
+    left, r_op, _ = rank_r_operands(low, right, SCALE, None, torch.bfloat16, True, False, all_low_pieces=True)
+    three, r_three, _ = rank_r_operands(low, right, SCALE, None, torch.bfloat16, True, False)
+    assert left.shape[1] == rank_r_width(r, True, 0, all_low_pieces=True) == 64
+    torch.testing.assert_close(left.double() @ r_op.double(), three.double() @ r_three.double(), rtol=1e-12, atol=0)
+    groups = left.view(50, 4, 16)
+    assert not groups[:, :, r:].any() and not r_op.view(4, 16, 40)[:, r:].any() and not r_op.view(4, 16, 40)[3].any()
+    assert torch.equal(groups[:, 2], groups[:, 0])  # l0 again, against R's r1
+    l0, l1, l2 = (groups[:, g, :r].float() for g in (0, 1, 3))
+    torch.testing.assert_close(l0 + l1 + l2, SCALE * low, rtol=2**-23, atol=0)
+    assert l2.abs().max() > 0  # the third piece carries bits, so dA needs it
 
 
 @pytest.mark.parametrize("pieces", [True, False], ids=["fp32_pieces", "cast"])
