@@ -117,10 +117,10 @@ def timing_rows(tags, bench, shape, mode, times, baseline, metric="", values=Non
             for provider, (median, p20, p80) in times.items()]
 
 
-def adapter_probe(bench, mode, probe_case, shapes, rows, rank, args):
-    """Runs probe_case(k_in, n_out, adapter_dtype, rounds) -> ({provider: (median, p20, p80) ms}, {provider: relative
-    error to float64}) for each (in, out) of `shapes` with float32 and bf16 adapters, and appends the rows to
-    <args.out>/<bench>.csv (ratio to the "cublas" provider). Returns [(shape, cuBLAS ms, {provider: ratio},
+def adapter_probe(bench, mode, probe_case, shapes, rows, rank, args, metric="rel_err_fp64"):
+    """Runs probe_case(k_in, n_out, adapter_dtype, rounds) -> ({provider: (median, p20, p80) ms}, {provider: `metric`,
+    a relative error to float64}) for each (in, out) of `shapes` with float32 and bf16 adapters, and appends the rows
+    to <args.out>/<bench>.csv (ratio to the "cublas" provider). Returns [(shape, cuBLAS ms, {provider: ratio},
     errors)] for the probe's table."""
     tags, table_rows, table = environment(), [], []
     for (k_in, n_out) in shapes:
@@ -128,7 +128,7 @@ def adapter_probe(bench, mode, probe_case, shapes, rows, rank, args):
             shape = f"M{rows}_K{k_in}_N{n_out}_r{rank}_{adapters}_adapters"
             times, errors = probe_case(k_in, n_out, adapter_dtype, args.rounds)
             floor = times["cublas"][0]
-            table_rows += timing_rows(tags, bench, shape, mode, times, "cublas", "rel_err_fp64", errors)
+            table_rows += timing_rows(tags, bench, shape, mode, times, "cublas", metric, errors)
             table.append((shape, floor, {key: t[0] / floor for key, t in times.items()}, errors))
             print(table[-1], flush=True)
     write_rows(table_rows, bench, [args.out])

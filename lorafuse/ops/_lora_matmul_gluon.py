@@ -300,6 +300,43 @@ if gluon is not None:
             gl.thread_barrier()  # read by every warp before the tile's C store may reuse it
 
     @gluon.jit
+    def _k_steps(first, last, loads, mmas, acc, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
+                 b_ring, B_K_MAJOR: gl.constexpr):
+        # K-steps first .. last - 1 of a tile (its rank-r steps included): each loads its step into the ring and
+        # issues the next MMA in order, NUM_BUFFERS - 1 steps behind the loads.
+        for s in range(first, last):
+            loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring, b_ring,
+                               B_K_MAJOR, True)
+            mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
+        return loads, mmas, acc
+
+    @gluon.jit
+    def _shrink_grad_steps(grad_at, loads, mmas, acc, k_steps, off_m, off_n, part, a_desc, b_desc, l_desc, r_desc,
+                           x_desc, c_smem, grad_ptr, N, rank, ready, a_ring, b_ring, GROUP_ROWS: gl.constexpr,
+                           LOW_PIECES: gl.constexpr, ATOMIC: gl.constexpr, num_warps: gl.constexpr):
+        # L^T x's two steps between K-steps grad_at - 1 and grad_at of the tile at (off_m, off_n), beside the loads of
+        # K-steps grad_at and grad_at + 1 (loads run two steps ahead of the MMAs); then _store_shrink_grad, while
+        # K-step grad_at's MMA runs. B is not K-major.
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+        grad_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, BLOCK_N // (num_warps // 4), 16])
+        grad = gl.zeros((BLOCK_K, BLOCK_N), gl.float32, grad_layout)  # one warpgroup's 64 rows cover L's box
+        loads = _load_grad_step(loads, 0, off_m, off_n, l_desc, x_desc, ready, a_ring, b_ring)
+        mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, False)
+        loads = _load_grad_step(loads, 1, off_m, off_n, l_desc, x_desc, ready, a_ring, b_ring)
+        mmas, acc, grad = _grad_mma_step(mmas, acc, grad, 0, ready, a_ring, b_ring)
+        loads = _load_step(loads, grad_at, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
+                           b_ring, False, True)
+        mmas, acc, grad = _grad_mma_step(mmas, acc, grad, 1, ready, a_ring, b_ring)
+        loads = _load_step(loads, grad_at + 1, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
+                           b_ring, False, True)
+        mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, False)
+        grad = warpgroup_mma_wait(num_outstanding=1, deps=(grad,))  # K-step grad_at's MMA still runs
+        _store_shrink_grad(grad, c_smem, grad_ptr, part, off_n, N, rank, GROUP_ROWS, LOW_PIECES, ATOMIC, num_warps)
+        return loads, mmas, acc
+
+    @gluon.jit
     def _gemm_rank_r(a_desc, b_desc, l_desc, r_desc, c_desc, x_desc, grad_ptr, M, N, K, rank,
                      RANK_STEPS: gl.constexpr, B_K_MAJOR: gl.constexpr, SHRINK_GRAD: gl.constexpr,
                      GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr, ATOMIC: gl.constexpr,
@@ -336,44 +373,26 @@ if gluon is not None:
             loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring, b_ring,
                                B_K_MAJOR, True)
         if SHRINK_GRAD:
-            # the steps are placed by hand for loads two steps ahead; one warpgroup's rows (64) cover L's box
-            gl.static_assert(NUM_BUFFERS == 3 and BLOCK_M == 2 * BLOCK_K and not B_K_MAJOR)
-            grad_layout: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, BLOCK_N // (num_warps // 4), 16])
-            grad = gl.zeros((BLOCK_K, BLOCK_N), gl.float32, grad_layout)
-            # The K-step after which this program's tiles run L^T x (in [2, steps - 2]), spread over the tile across
+            gl.static_assert(NUM_BUFFERS == 3 and BLOCK_M == 2 * BLOCK_K and not B_K_MAJOR,
+                             "SHRINK_GRAD places its steps for loads two steps ahead, reads L's box as two halves of "
+                             "BK rows and x in B's [BK, BN] boxes")
+            # The K-step before which this program's tiles run L^T x (in [2, steps - 2]), spread over the tile across
             # the programs, which run in step: at every tile's end, all programs' reads of x and atomics at once left
             # the tensor cores waiting (H200, 8192 x 4096 -> 4096, float32 adapters: 1.141 x cuBLAS against 1.095)
             grad_at = 2 + tile * (steps - 3) // programs
         for _ in range(gl.cdiv(blocks_m * blocks_n - tile, programs)):
             mmas, acc = _mma_step(mmas, acc, False, ready, a_ring, b_ring, B_K_MAJOR)
-            if SHRINK_GRAD:  # K-steps, L^T x's two steps after K-step grad_at - 1, the rest of the K-steps
-                for s in range(NUM_BUFFERS - 1, grad_at):
-                    loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
-                                       b_ring, B_K_MAJOR, True)
-                    mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
-                loads = _load_grad_step(loads, 0, off_m, off_n, l_desc, x_desc, ready, a_ring, b_ring)
-                mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
-                loads = _load_grad_step(loads, 1, off_m, off_n, l_desc, x_desc, ready, a_ring, b_ring)
-                mmas, acc, grad = _grad_mma_step(mmas, acc, grad, 0, ready, a_ring, b_ring)
-                loads = _load_step(loads, grad_at, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready,
-                                   a_ring, b_ring, B_K_MAJOR, True)
-                mmas, acc, grad = _grad_mma_step(mmas, acc, grad, 1, ready, a_ring, b_ring)
-                loads = _load_step(loads, grad_at + 1, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready,
-                                   a_ring, b_ring, B_K_MAJOR, True)
-                mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
-                grad = warpgroup_mma_wait(num_outstanding=1, deps=(grad,))  # the K-step's MMA still runs
-                _store_shrink_grad(grad, c_smem, grad_ptr, pid_m, off_n, N, rank, GROUP_ROWS, LOW_PIECES, ATOMIC,
-                                   num_warps)
-                for s in range(grad_at + 2, steps):
-                    loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
-                                       b_ring, B_K_MAJOR, True)
-                    mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
+            if SHRINK_GRAD:
+                loads, mmas, acc = _k_steps(NUM_BUFFERS - 1, grad_at, loads, mmas, acc, k_steps, off_m, off_n, a_desc,
+                                            b_desc, l_desc, r_desc, ready, a_ring, b_ring, B_K_MAJOR)
+                loads, mmas, acc = _shrink_grad_steps(grad_at, loads, mmas, acc, k_steps, off_m, off_n, pid_m, a_desc,
+                                                      b_desc, l_desc, r_desc, x_desc, c_smem, grad_ptr, N, rank, ready,
+                                                      a_ring, b_ring, GROUP_ROWS, LOW_PIECES, ATOMIC, num_warps)
+                loads, mmas, acc = _k_steps(grad_at + 2, steps, loads, mmas, acc, k_steps, off_m, off_n, a_desc,
+                                            b_desc, l_desc, r_desc, ready, a_ring, b_ring, B_K_MAJOR)
             else:
-                for s in range(NUM_BUFFERS - 1, steps):
-                    loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring,
-                                       b_ring, B_K_MAJOR, True)
-                    mmas, acc = _mma_step(mmas, acc, True, ready, a_ring, b_ring, B_K_MAJOR)
+                loads, mmas, acc = _k_steps(NUM_BUFFERS - 1, steps, loads, mmas, acc, k_steps, off_m, off_n, a_desc,
+                                            b_desc, l_desc, r_desc, ready, a_ring, b_ring, B_K_MAJOR)
             store_m = off_m
             store_n = off_n
             tile += programs
@@ -423,8 +442,8 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     descriptors, _, _ = _descriptors(a, b, left, r_op, c, b_k_major)
     programs = min(sms, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N))
     ran = launch_or_fall_back("_gemm_rank_r", lambda: _gemm_rank_r[(programs,)](
-        *descriptors, None, None, M, N, K, right.shape[0], RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K),
-        B_K_MAJOR=b_k_major, SHRINK_GRAD=False, GROUP_ROWS=0, LOW_PIECES=pieces, ATOMIC=False,
+        *descriptors, None, None, M, N, K, 0, RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K),
+        B_K_MAJOR=b_k_major, SHRINK_GRAD=False, GROUP_ROWS=0, LOW_PIECES=False, ATOMIC=False,
         NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
     return c if ran else None
 
@@ -463,8 +482,9 @@ def dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sms):
     dx = torch.empty(M, K, device=g.device, dtype=g.dtype)
     descriptors, x_box, x_layout = _descriptors(g, weight, left, r_op, dx, False)
     programs = min(sms, parts * triton.cdiv(K, BLOCK_N))
-    ran = launch_or_fall_back("_gemm_rank_r+shrink_grad", lambda: _gemm_rank_r[(programs,)](
-        *descriptors, TensorDescriptor.from_tensor(x, x_box, x_layout), da, M, K, N, r, RANK_STEPS=1,
-        B_K_MAJOR=False, SHRINK_GRAD=True, GROUP_ROWS=padded_rank(r), LOW_PIECES=pieces, ATOMIC=atomic,
-        NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
+    # one key a variant: the four compile apart, and one that ran must not hide another's first failure
+    ran = launch_or_fall_back(f"_gemm_rank_r+shrink_grad(pieces={pieces}, atomic={atomic})", lambda: _gemm_rank_r[
+        (programs,)](*descriptors, TensorDescriptor.from_tensor(x, x_box, x_layout), da, M, K, N, r, RANK_STEPS=1,
+                     B_K_MAJOR=False, SHRINK_GRAD=True, GROUP_ROWS=padded_rank(r), LOW_PIECES=pieces, ATOMIC=atomic,
+                     NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
     return (dx, summed(da, atomic)) if ran else None

@@ -4,8 +4,8 @@ for real.
 - `_launch_bound` itself: an eager call of a few rows runs PyTorch's launches (the reference), the same call inside a
   CUDA-graph capture runs lora_decode's kernels, and the replayed graph gives lora_decode's result.
 - dx through the fused TMA GEMM at its default 128x256 tiles (Hopper: the Gluon kernel): "auto" takes it at training
-  sizes, with odd ranks, float32 adapters (bf16 pieces) and bf16 ones; on Hopper, outside deterministic algorithms and
-  up to the ranks that fit, the same GEMM also makes dA (two more steps a tile), checked alone against float64.
+  sizes, with odd ranks, float32 adapters (bf16 pieces) and bf16 ones; on Hopper, up to the ranks that fit, the same
+  GEMM also makes dA (two more steps a tile), checked alone against float64 and bit for bit on an x that picks rows.
 - the Triton TMA kernel at those tiles, with the Gluon one turned off (what runs with an activation or a stored Z, on
   Blackwell, or on a Triton whose Gluon is not the tested one).
 - lora_matmul's Gluon GEMM (Hopper) against float64: odd edges, ranks 1-64, bias in x's dtype or float32, x W^T and
@@ -158,10 +158,37 @@ def test_gluon_dx_and_shrink_grad_match_float64(m, k, n, dtype, adapter_dtype, m
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
+@pytest.mark.parametrize("m, k, n", [(100, 776, 520), (300, 776, 520), (4100, 8200, 1000)],
+                         ids=["one_row_block", "one_wave", "many_tiles"])
+@pytest.mark.parametrize("adapter_dtype, math, r", [(torch.float32, "exact", 16), (torch.float32, "exact", 5),
+                                                     (torch.bfloat16, "exact", 64), (torch.float32, "fast", 24)],
+                         ids=["pieces_r16", "pieces_r5", "bf16_r64", "fast_r24"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dA", "deterministic"])
+def test_gluon_shrink_grad_picks_rows_exactly(m, k, n, adapter_dtype, math, r, deterministic, monkeypatch):
+    # x = [I 0] makes dA = ds^T x equal ds^T in its first m columns and zero past them, bit for bit: each sum has
+    # one nonzero term, and ds's three bf16 pieces add back to ds exactly (16-bit math: ds rounded to bf16). A wrong
+    # piece, group, row half, row block or column shows. "one_row_block": one partial sum, stored even outside
+    # deterministic algorithms.
+    monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
+    g = torch.randn(m, n, dtype=torch.bfloat16)
+    weight = (torch.randn(n, k) / n**0.5).bfloat16()
+    A = (torch.randn(r, k) / k**0.5).to(adapter_dtype)
+    ds = torch.randn(m, r)
+    x = torch.eye(m, k, dtype=torch.bfloat16)
+    pieces = uses_bf16_pieces(torch.bfloat16, adapter_dtype)
+    assert shrink_grad_gemm_ready(g, weight, A, x, pieces)
+    _, dA = dx_and_shrink_grad_gluon(g, weight, ds, A, x, pieces, sm_count(x.device))
+    want = ds if pieces else ds.bfloat16().float()
+    assert torch.equal(dA[:, :m], want.t()) and not dA[:, m:].any()
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
 def test_shrink_grad_gemm_declines_what_it_cannot_take(monkeypatch):
     # L's columns past one K-step (float32 adapters above rank 16: four groups of pieces), fewer than three K-steps,
     # fp16 activations with float32 adapters (no 16-bit products), x at an offset TMA cannot read, and dA's partial
     # sums past MAX_PARTS_BYTES where deterministic algorithms keep them
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
     g = torch.randn(300, 520, dtype=torch.bfloat16)
     weight = torch.randn(520, 776, dtype=torch.bfloat16)
     x = torch.randn(300, 776, dtype=torch.bfloat16)

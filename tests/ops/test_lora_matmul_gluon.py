@@ -21,11 +21,11 @@ def rank_r_inputs(m, n, r, right_dtype, bias_dtype):
 
 
 @pytest.mark.parametrize("r", [1, 5, 16, 24, 64])
-@pytest.mark.parametrize("pieces", [True, False], ids=["fp32_pieces", "bf16"])
+@pytest.mark.parametrize("pieces, all_low_pieces", [(True, False), (False, False), (True, True)],
+                         ids=["fp32_pieces", "bf16", "fp32_all_low_pieces"])  # all of low's pieces: pieces only
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=["no_bias", "bias", "fp32_bias"])
 @pytest.mark.parametrize("r_k_major", [True, False], ids=["k_major", "rows"])
-@pytest.mark.parametrize("all_low_pieces", [False, True], ids=["three_products", "all_low_pieces"])
-def test_rank_r_operands_match_the_reference(r, pieces, bias_dtype, r_k_major, all_low_pieces):
+def test_rank_r_operands_match_the_reference(r, pieces, all_low_pieces, bias_dtype, r_k_major):
     m, n = 70, 136  # neither a multiple of the packing block (64)
     low, right, bias = rank_r_inputs(m, n, r, torch.float32 if pieces else torch.bfloat16, bias_dtype)
     left, r_op, _ = rank_r_operands(low, right, SCALE, bias, torch.bfloat16, pieces, r_k_major,
