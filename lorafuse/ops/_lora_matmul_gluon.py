@@ -29,7 +29,7 @@ import triton.language as tl
 from ._bf16_pieces import bf16_pieces_reference, split_bf16
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
-from ._tiles import atomic_partial_sums, lora_in_fp32, padded_rank, store_partial, summed
+from ._tiles import MAX_PARTS_BYTES, atomic_partial_sums, lora_in_fp32, padded_rank, store_partial, summed
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 NUM_BUFFERS, GROUP_M, WARPS = 3, 8, 8  # 3 x 48 KiB of operand ring + 64 KiB for C's store: 208 KiB of shared memory
@@ -446,9 +446,6 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
         B_K_MAJOR=b_k_major, SHRINK_GRAD=False, GROUP_ROWS=0, LOW_PIECES=False, ATOMIC=False,
         NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
     return c if ran else None
-
-
-MAX_PARTS_BYTES = 256 << 20  # dA's partial sums (deterministic algorithms) past this: dA's own pass instead
 
 
 def shrink_grad_gemm_ready(g, weight, lora_A, x, pieces) -> bool:

@@ -48,9 +48,9 @@ from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_
                      warpgroup_mma, warpgroup_mma_wait)
 from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, _gemm_buffers, _mma_step,
                                  _tile_coords, gluon_gemm_ready, rank_r_operands, rank_r_width)
+from ._tiles import MAX_PARTS_BYTES
 
 START = 4  # a contributor's first possible shrink step: by then the last tile's C store has left c_smem
-MAX_PARTS_BYTES = 256 << 20  # fixed_order's parts beyond this (a long prompt at a high rank) take the separate shrink
 LEAD = 3  # K-steps between a tile's wait for s and its first rank-r step: L2's latency hides behind their MMAs
 WINDOW = 3 / 4  # of the programs: the most tiles that one row block's contributors span
 MAX_SHRINK_ROWS = 128  # lora_A's pieces (P * rank rounded up to a power of two): 3 ring slots of them share c_smem
