@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (capture, environment, probe_args, time_alternating, timing_rows,  # noqa: E402
                                write_rows)
 
-from lorafuse.ops._bf16_pieces import bf16_pieces  # noqa: E402
 from lorafuse.ops._lora_expand_gluon import expand_backward_gluon  # noqa: E402
 from lorafuse.ops._tiles import sm_count  # noqa: E402
 from lorafuse.ops.lora_expand import _expand_backward_config, lora_expand_backward  # noqa: E402
@@ -61,7 +60,7 @@ def probe_case(n, r, adapter_dtype, rounds):
     calls = {"triton": lambda: lora_expand_backward(dy, None, s, B, SCALE, config=config)[1:3]}
     calls["triton_partials"] = deterministic(calls["triton"])
     if adapter_dtype == torch.float32:
-        calls["gluon"] = lambda: expand_backward_gluon(dy, s, bf16_pieces(B), SCALE, sm_count(dy.device))
+        calls["gluon"] = lambda: expand_backward_gluon(dy, s, B, SCALE, sm_count(dy.device))
         calls["gluon_partials"] = deterministic(calls["gluon"])
     exact = (SCALE * dy.double() @ B.double(), SCALE * dy.double().t() @ s.double())
     error = max(((got.double() - want).norm() / want.norm()).item()

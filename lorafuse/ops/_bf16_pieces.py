@@ -55,21 +55,40 @@ def dot_pieces(a, hi, mid, lo, acc):
 
 
 @triton.jit
-def _pieces_kernel(t_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    # t: [n] fp32, out: [3, n] bf16
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    hi, mid, lo = split_bf16(tl.load(t_ptr + offs, mask=ok, other=0.0))
-    tl.store(out_ptr + offs, hi, mask=ok)
-    tl.store(out_ptr + n + offs, mid, mask=ok)
-    tl.store(out_ptr + 2 * n + offs, lo, mask=ok)
+def _pieces_kernel(t_ptr, out_ptr, zero_ptr, zero2_ptr, n, zero_n, zero2_n, BLOCK: tl.constexpr):
+    # t: [n] fp32, out: [3, n] bf16; zero: [zero_n] fp32, zero2: [zero2_n] fp32. Programs in turn: cdiv(n, BLOCK)
+    # write the pieces, then cdiv(zero_n, BLOCK) zero `zero`, then cdiv(zero2_n, BLOCK) zero `zero2`.
+    pid = tl.program_id(0)
+    zero_start = tl.cdiv(n, BLOCK)
+    zero2_start = zero_start + tl.cdiv(zero_n, BLOCK)
+    if pid < zero_start:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        hi, mid, lo = split_bf16(tl.load(t_ptr + offs, mask=ok, other=0.0))
+        tl.store(out_ptr + offs, hi, mask=ok)
+        tl.store(out_ptr + n + offs, mid, mask=ok)
+        tl.store(out_ptr + 2 * n + offs, lo, mask=ok)
+    elif pid < zero2_start:
+        offs = (pid - zero_start) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(zero_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < zero_n)
+    else:
+        offs = (pid - zero2_start) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(zero2_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < zero2_n)
 
 
-def bf16_pieces(t: torch.Tensor) -> torch.Tensor:
-    """[3, ...] bfloat16 pieces of a float32 tensor, contiguous: one launch."""
+def bf16_pieces(t: torch.Tensor, zero=()) -> torch.Tensor:
+    """[3, ...] bfloat16 pieces of a float32 tensor, contiguous: one launch. zero: up to two contiguous float32
+    tensors that the same launch fills with zeros (outputs that a kernel's atomics then add into: a fill costs a
+    launch of its own, about 1 us in a CUDA graph)."""
     # t: [...] float32 -> [3, ...] bfloat16
     t = t.contiguous()
     out = torch.empty(PIECES, *t.shape, device=t.device, dtype=torch.bfloat16)
-    n = t.numel()
-    _pieces_kernel[(triton.cdiv(n, 1024),)](t, out, n, BLOCK=1024)
+    if len(zero) > 2 or any(z.dtype != torch.float32 or not z.is_contiguous() for z in zero):
+        raise ValueError("bf16_pieces zeroes at most two contiguous float32 tensors")
+    missing = 2 - len(zero)
+    zeros = list(zero) + [t] * missing  # t stands in for a missing one, with no elements to zero
+    sizes = [z.numel() for z in zero] + [0] * missing
+    block = 1024
+    programs = sum(triton.cdiv(n, block) for n in [t.numel()] + sizes)
+    _pieces_kernel[(programs,)](t, out, *zeros, t.numel(), *sizes, BLOCK=block)
     return out

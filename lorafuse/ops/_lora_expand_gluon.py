@@ -15,7 +15,7 @@ keep the Triton kernel, as fast or faster there.
 """
 import triton
 
-from ._bf16_pieces import PIECES
+from ._bf16_pieces import PIECES, bf16_pieces
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import partial_sums, store_partial, summed
@@ -139,12 +139,12 @@ if gluon is not None:
         store_partial(ds_part_ptr, split, M * rank, ds_offsets, scale * ds, ds_mask, ATOMIC_DS)
 
 
-def expand_backward_gluon(dy, s, b_pieces, scale, sms):
+def expand_backward_gluon(dy, s, B, scale, sms):
     """(ds, dB) of lora_expand_backward through _expand_bwd (gluon_expand_backward_ready holds); None if the kernel
     failed to run the first time (_gluon.launch_or_fall_back)."""
-    # dy: [M, N] bf16 contiguous, s: [M, r] fp32, b_pieces: [3, N, r] bf16 (B's pieces)
+    # dy: [M, N] bf16 contiguous, s: [M, r] fp32, B: [N, r] fp32
     M, N = dy.shape
-    r = b_pieces.shape[-1]
+    r = B.shape[1]
     a_in_registers, buffers, grid_per_sm = _config(r)
     programs = grid_per_sm * sms
     P = PIECES
@@ -154,12 +154,14 @@ def expand_backward_gluon(dy, s, b_pieces, scale, sms):
     splits = max(1, min(triton.cdiv(N, BLOCK_N), triton.cdiv(programs, row_blocks)))
     cols_per_split = triton.cdiv(triton.cdiv(N, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(N, cols_per_split)
+    ds_part, atomic_ds = partial_sums(splits, (M, r), dy.device, zeroed=False)
+    db_part, atomic = partial_sums(row_blocks, (N, r), dy.device, zeroed=False)
+    # B's pieces, [3, N, r] bf16, from the launch that zeroes what the atomics add into: two fills fewer
+    b_pieces = bf16_pieces(B, zero=[part for part, adds in ((ds_part, atomic_ds), (db_part, atomic)) if adds])
     dy_desc = TensorDescriptor.from_tensor(dy, [BLOCK_M, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
     b_desc = TensorDescriptor.from_tensor(b_pieces.reshape(P * N, r), [BLOCK_N, R],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
-    ds_part, atomic_ds = partial_sums(splits, (M, r), dy.device)
-    db_part, atomic = partial_sums(row_blocks, (N, r), dy.device)
     if not launch_or_fall_back("_expand_bwd", lambda: _expand_bwd[(row_blocks, splits)](
             dy_desc, b_desc, s.contiguous(), ds_part, db_part, M, N, r, scale, cols_per_split, P=P, R=R,
             BUFFERS=buffers, ATOMIC_DS=atomic_ds, ATOMIC_DB=atomic, A_IN_REGISTERS=a_in_registers, num_warps=WARPS)):

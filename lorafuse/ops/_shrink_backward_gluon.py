@@ -21,10 +21,11 @@ once, in x's dtype, to be masked and stored.
 import torch
 import triton
 
+from ._bf16_pieces import bf16_pieces
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, tma_aligned, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import padded_rank, partial_sums, split_in_blocks, store_partial, summed
-from .dropout import PHILOX_ROUNDS, dropout_args, philox
+from .dropout import PHILOX_ROUNDS, dropout_args, key_limit, philox
 
 BLOCK_M, BLOCK_K, BUFFERS, WARPS = 64, 128, 3, 4
 
@@ -49,7 +50,7 @@ if gluon is not None:
               layout: gl.constexpr, dtype: gl.constexpr, ROUNDS: gl.constexpr):
         # The [BM, BK] keep mask (0 or 1 in dtype) of rows m0..., columns k0... in `layout` (8 neighbouring columns a
         # thread), as dropout.keep_tile draws it: Philox on (column group, row) in words_layout (a call a thread),
-        # eight 16-bit draws a call.
+        # eight 16-bit draws a call, compared as dropout.key_limit's keys.
         rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, words_layout))
         groups = k0 // 8 + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, words_layout))
         seed = gl.load(seed_ptr).to(gl.uint64)
@@ -58,10 +59,10 @@ if gluon is not None:
         zero = gl.zeros([BM, BK // 8], gl.uint32, words_layout)
         w0, w1, w2, w3 = philox(c0, c1, zero, zero, (seed & 0xFFFFFFFF).to(gl.uint32), (seed >> 32).to(gl.uint32),
                                 ROUNDS)
-        lo = gl.join(gl.join(w0 & 0xFFFF, w0 >> 16), gl.join(w1 & 0xFFFF, w1 >> 16))
-        hi = gl.join(gl.join(w2 & 0xFFFF, w2 >> 16), gl.join(w3 & 0xFFFF, w3 >> 16))
-        draws = gl.convert_layout(gl.reshape(gl.join(lo, hi), [BM, BK]), layout)
-        return (draws >= threshold).to(dtype)
+        lo = gl.join(gl.join(w0 << 16, w0), gl.join(w1 << 16, w1))
+        hi = gl.join(gl.join(w2 << 16, w2), gl.join(w3 << 16, w3))
+        keys = gl.convert_layout(gl.reshape(gl.join(lo, hi), [BM, BK]), layout)
+        return (keys >= key_limit(threshold)).to(dtype)
 
     @gluon.jit
     def _shrink_bwd_dropout(x_desc, a_desc, ds_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank, rows_per_split,
@@ -162,15 +163,13 @@ if gluon is not None:
         store_partial(da_part_ptr, split, rank * K, offsets, drop_scale * da, mask, ATOMIC)
 
 
-def shrink_backward_gluon(ds, x, a_pieces, dropout_p, seed, dx_out, sms):
+def shrink_backward_gluon(ds, x, A, on_pieces, dropout_p, seed, dx_out, sms):
     """dA of lora_shrink_backward with dropout, writing dx_out's masked term, through _shrink_bwd_dropout
     (gluon_shrink_backward_ready holds); None if the kernel failed to run the first time
-    (_gluon.launch_or_fall_back)."""
-    # ds: [M, r] fp32, x: [M, K] 16-bit contiguous, a_pieces: [P, r, K] in x's dtype (P = 3: A's bf16 pieces; P = 1:
-    # A rounded to x's dtype), dx_out: [M, K] like x
+    (_gluon.launch_or_fall_back). on_pieces: A (float32) runs as its three bf16 pieces, else rounded to x's dtype."""
+    # ds: [M, r] fp32, x: [M, K] 16-bit contiguous, A: [r, K], dx_out: [M, K] like x
     M, K = x.shape
-    pieces, r = a_pieces.shape[0], a_pieces.shape[1]
-    a_pieces = tma_aligned(a_pieces)
+    r = A.shape[0]
     R = padded_rank(r)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     k_blocks = triton.cdiv(K, BLOCK_K)
@@ -178,9 +177,13 @@ def shrink_backward_gluon(ds, x, a_pieces, dropout_p, seed, dx_out, sms):
     rows_per_split, splits = split_in_blocks(M, BLOCK_M, min(triton.cdiv(M, 256), max(1, 2 * sms // k_blocks)))
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    da_part, atomic = partial_sums(splits, (r, K), x.device, zeroed=not on_pieces)
+    # [P, r, K] in x's dtype: A's bf16 pieces (P = 3), made by the launch that zeroes dA, or A rounded (P = 1)
+    a_pieces = tma_aligned(bf16_pieces(A, zero=[da_part] if atomic else []) if on_pieces
+                           else A.to(x.dtype).contiguous()[None])
+    pieces = a_pieces.shape[0]
     a_desc = TensorDescriptor.from_tensor(a_pieces.reshape(pieces * r, K), [R, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([R, BLOCK_K], dtype))
-    da_part, atomic = partial_sums(splits, (r, K), x.device)
     threshold, drop_scale = dropout_args(dropout_p)
     if not launch_or_fall_back("_shrink_bwd_dropout", lambda: _shrink_bwd_dropout[(k_blocks, splits)](
             x_desc, a_desc, ds.contiguous(), dx_out, da_part, seed, M, K, r, rows_per_split, threshold, drop_scale,

@@ -84,14 +84,16 @@ def atomic_partial_sums(parts: int) -> bool:
 MAX_PARTS_BYTES = 256 << 20
 
 
-def partial_sums(parts: int, shape, device, fixed_order: bool = False) -> tuple[torch.Tensor, bool]:
+def partial_sums(parts: int, shape, device, fixed_order: bool = False,
+                 zeroed: bool = True) -> tuple[torch.Tensor, bool]:
     """(buffer, atomic) for a kernel's `parts` float32 partial sums of an output of `shape`: with atomic
     (atomic_partial_sums) the output itself, zeroed, which they add into (store_partial); else [parts, *shape] for
     summed(). fixed_order: an output that must not vary from run to run (a forward's: the same prompt gives the same
-    logits): atomics only for two parts, as 0 + a + b is the same float in either order."""
+    logits): atomics only for two parts, as 0 + a + b is the same float in either order. zeroed=False: the caller
+    zeroes an atomic buffer itself (bf16_pieces' launch does, one launch fewer)."""
     atomic = atomic_partial_sums(parts) and (parts <= 2 or not fixed_order)
     if atomic:
-        return torch.zeros(*shape, device=device, dtype=torch.float32), True
+        return (torch.zeros if zeroed else torch.empty)(*shape, device=device, dtype=torch.float32), True
     return torch.empty(parts, *shape, device=device, dtype=torch.float32), False
 
 

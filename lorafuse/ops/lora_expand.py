@@ -166,11 +166,11 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
     fp32 = lora_in_fp32(dy.dtype, B.dtype)
     on_pieces = activation_id == 0 and uses_bf16_pieces(dy.dtype, B.dtype)
-    b_operand = bf16_pieces(B) if on_pieces else B.contiguous()
     if config is None and gluon_expand_backward_ready(dy, B, activation_id, need_dbias, on_pieces):
-        grads = expand_backward_gluon(dy, s, b_operand, scale, sm_count(dy.device))
+        grads = expand_backward_gluon(dy, s, B, scale, sm_count(dy.device))
         if grads is not None:
             return dy, *grads, None
+    b_operand = bf16_pieces(B) if on_pieces else B.contiguous()
     config = config or _expand_backward_config(M, N, fp32 and not on_pieces, sm_count(dy.device))
     block_m, block_n, warps, stages, programs = config
     row_blocks = triton.cdiv(M, block_m)

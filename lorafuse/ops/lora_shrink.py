@@ -144,13 +144,13 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     r = A.shape[0]
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
-    a_arg = bf16_pieces(A) if on_pieces else A.contiguous()
     block_m, block_k, warps, stages, programs = config or _shrink_config(
         M, _math(x.dtype, A.dtype), dropout_p > 0.0, sm_count(x.device))
     # Fewer row blocks than programs (decode, or the mask's two programs per SM) split K: partial sums, added below.
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
-    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True)
+    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True, zeroed=not on_pieces)
+    a_arg = bf16_pieces(A, zero=[s] if atomic else []) if on_pieces else A.contiguous()  # zeroes s in its launch
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_fwd[(row_blocks, splits)](
         x, a_arg, s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,
@@ -170,12 +170,11 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     r = A.shape[0]
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
-    a_arg = bf16_pieces(A) if on_pieces and dx_out is not None else A.contiguous()
     if config is None and gluon_shrink_backward_ready(x, A, dropout_p, dx_out, on_pieces, fp32):
-        a_operand = a_arg if on_pieces else A.to(x.dtype).contiguous()[None]  # [pieces, r, K] in x's dtype
-        dA = shrink_backward_gluon(ds, x, a_operand, dropout_p, seed, dx_out, sm_count(x.device))
+        dA = shrink_backward_gluon(ds, x, A, on_pieces, dropout_p, seed, dx_out, sm_count(x.device))
         if dA is not None:
             return dA
+    a_arg = bf16_pieces(A) if on_pieces and dx_out is not None else A.contiguous()
     # Swept on an H200 (NOTES_lora_layer.md, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
     # bf16 adapters): dA alone and dx with the mask want 32 x 128 / 16 x 256 blocks, dx without the mask on pieces
     # 64 x 128. Float32 adapters, dropout and dx: 46 / 82 / 141 / 236 us (the kernel before, as ds^T x and with the

@@ -39,7 +39,8 @@ def _mask_kernel(seed_ptr, out_ptr, M, N, threshold, BLOCK_M: tl.constexpr, BLOC
     col_start = tl.program_id(1) * BLOCK_K
     keep = keep_tile(seed_ptr, rows, col_start, threshold, BLOCK_K, ROUNDS)
     cols = col_start + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], keep.to(tl.int8), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], keep.to(tl.int8),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 def kernel_mask(seed, n_rows, n_cols, p, block_m, block_k):
@@ -59,6 +60,14 @@ def test_kernel_draws_the_reference_mask(n_rows, n_cols, block_m, block_k, seed)
     p = 0.3
     assert torch.equal(kernel_mask(seed, n_rows, n_cols, p, block_m, block_k),
                        keep_mask_reference(seed, n_rows, n_cols, p))
+
+
+@pytest.mark.parametrize("p", [1.5e-5, 0.5, 0.999])
+def test_kernel_mask_at_extreme_thresholds(p):
+    # Thresholds 1 (an argument Triton specializes as a constant), 32768 and 65470: the kernels compare
+    # threshold << 16 as an unsigned key, which passes 2^31 above one half.
+    assert drop_threshold(p) in (1, 32768, 65470)
+    assert torch.equal(kernel_mask(BIG_SEED, 64, 256, p, 32, 128), keep_mask_reference(BIG_SEED, 64, 256, p))
 
 
 def test_kernel_keep_rate():
