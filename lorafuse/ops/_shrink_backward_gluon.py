@@ -25,7 +25,7 @@ from ._bf16_pieces import bf16_pieces
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, tma_aligned, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import padded_rank, partial_sums, split_in_blocks, store_partial, summed
-from .dropout import PHILOX_ROUNDS, dropout_args, key_limit, philox
+from .dropout import PHILOX_ROUNDS, dropout_args, keep_of_words, philox
 
 BLOCK_M, BLOCK_K, BUFFERS, WARPS = 64, 128, 3, 4
 
@@ -50,7 +50,7 @@ if gluon is not None:
               layout: gl.constexpr, dtype: gl.constexpr, ROUNDS: gl.constexpr):
         # The [BM, BK] keep mask (0 or 1 in dtype) of rows m0..., columns k0... in `layout` (8 neighbouring columns a
         # thread), as dropout.keep_tile draws it: Philox on (column group, row) in words_layout (a call a thread),
-        # eight 16-bit draws a call, compared as dropout.key_limit's keys.
+        # four words a call, each deciding two neighbouring columns (dropout.keep_of_words).
         rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, words_layout))
         groups = k0 // 8 + gl.arange(0, BK // 8, layout=gl.SliceLayout(0, words_layout))
         seed = gl.load(seed_ptr).to(gl.uint64)
@@ -59,10 +59,9 @@ if gluon is not None:
         zero = gl.zeros([BM, BK // 8], gl.uint32, words_layout)
         w0, w1, w2, w3 = philox(c0, c1, zero, zero, (seed & 0xFFFFFFFF).to(gl.uint32), (seed >> 32).to(gl.uint32),
                                 ROUNDS)
-        lo = gl.join(gl.join(w0 << 16, w0), gl.join(w1 << 16, w1))
-        hi = gl.join(gl.join(w2 << 16, w2), gl.join(w3 << 16, w3))
-        keys = gl.convert_layout(gl.reshape(gl.join(lo, hi), [BM, BK]), layout)
-        return (keys >= key_limit(threshold)).to(dtype)
+        words = gl.reshape(gl.join(gl.join(w0, w2), gl.join(w1, w3)), [BM, BK // 2])
+        low, high = keep_of_words(words, threshold, dtype)
+        return gl.convert_layout(gl.reshape(gl.join(low, high), [BM, BK]), layout)
 
     @gluon.jit
     def _shrink_bwd_dropout(x_desc, a_desc, ds_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank, rows_per_split,

@@ -1,21 +1,33 @@
-"""Dropout masks drawn inside kernels from a seed: Philox4x32, 16-bit keep decisions.
+"""Dropout masks drawn inside kernels from a seed: Philox4x32, 14-bit keep decisions.
 
 A mask element depends only on (seed, row, column), never on tile sizes, so the forward
 shrink, the backward dA kernel and the dx epilogue all redraw the same mask without storing
-it. One Philox call yields 128 random bits, i.e. eight 16-bit draws for eight neighbouring
-columns; that keeps the generator off the critical path of memory-bound kernels.
+it. One Philox call yields four 32-bit words for eight neighbouring columns: column 8g + 2j + h
+of column group g takes half h of word j, as a 14-bit draw (the half's low 14 bits).
 
-The drop probability is rounded to a multiple of 1/65536 (at most 7.6e-6 away from the
-requested p); kept values are scaled by 1/(1 - p_effective), so the expectation is exact.
+Why 14 bits: a 14-bit draw is a positive, finite float16 bit pattern, so one paired half-precision
+compare (`set.ge.u32.f16x2`, any NVIDIA GPU since sm_53) decides two neighbouring columns against
+the threshold at once, and one AND makes their 0/1 multipliers in x's dtype: 1.5 instructions a
+column where 16-bit draws took 3 (integer compares, selects and a repack). Compiled for sm_90, the
+masked shrink's kernel went from 992 to 912 instructions, the Gluon dropout backward's from 1392 to
+1320 (benchmarks/NOTES_lora_layer.md).
+Triton's interpreter has no inline assembly: there the same decisions run as integer compares.
+
+The drop probability is rounded to a multiple of 1/16384 (at most 3.1e-5 away from the requested
+p); kept values are scaled by 1/(1 - p_effective), so the expectation is exact.
 `keep_mask_reference` is the same generator in plain PyTorch (int64 arithmetic).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-KEEP_BITS = 16
-DRAWS_PER_CALL = 8  # 4 words x 32 bits / 16 bits
+KEEP_BITS = 14
+DRAWS_PER_CALL = 8  # 4 words x 2 halves
 PHILOX_ROUNDS = 7  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11); 10 only adds margin, at 40% more cost
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) runs no inline assembly: the plain compares instead
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 _KEY_A, _KEY_B, _ROUND_A, _ROUND_B = 0x9E3779B9, 0xBB67AE85, 0xD2511F53, 0xCD9E8D57
 PHILOX_KEY_A = tl.constexpr(_KEY_A)
@@ -26,10 +38,14 @@ _MASK32 = 0xFFFFFFFF
 
 
 def drop_threshold(p: float) -> int:
-    """Integer threshold t: an element is kept when its 16-bit draw is >= t."""
+    """Integer threshold t: an element is kept when its 14-bit draw is >= t."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must lie in [0, 1), got {p}")
-    return round(p * (1 << KEEP_BITS))
+    t = round(p * (1 << KEEP_BITS))
+    if t == 1 << KEEP_BITS:
+        raise ValueError(f"dropout probability {p} rounds to 1 at the kernels' resolution of 1/{1 << KEEP_BITS}: "
+                         "use a smaller p")
+    return t
 
 
 def keep_scale(p: float) -> float:
@@ -67,9 +83,9 @@ def philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
 
 
 @triton.jit
-def keep_tile(seed_ptr, rows, col_start, THRESHOLD, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr):
+def keep_tile(seed_ptr, rows, col_start, THRESHOLD, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, dtype: tl.constexpr):
     # rows: [BM] row indices; columns col_start .. col_start + BLOCK_K (col_start % 8 == 0).
-    # Returns the [BM, BLOCK_K] keep mask of those elements.
+    # Returns the [BM, BLOCK_K] keep mask of those elements: 1 (kept) or 0 in dtype.
     seed = tl.load(seed_ptr).to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = (seed >> 32).to(tl.uint32)
@@ -78,20 +94,40 @@ def keep_tile(seed_ptr, rows, col_start, THRESHOLD, BLOCK_K: tl.constexpr, ROUND
     c1 = tl.zeros([rows.shape[0], BLOCK_K // 8], tl.uint32) + rows.to(tl.uint32)[:, None]
     zero = tl.zeros([rows.shape[0], BLOCK_K // 8], tl.uint32)
     w0, w1, w2, w3 = philox(c0, c1, zero, zero, k0, k1, ROUNDS)
-    # tl.join appends its new axis last, so column 8g + 4h + 2i + t takes half h of word 2t + i. Each half is
-    # compared in the top 16 bits of a key (key_limit).
-    lo = tl.join(tl.join(w0 << 16, w0), tl.join(w1 << 16, w1))
-    hi = tl.join(tl.join(w2 << 16, w2), tl.join(w3 << 16, w3))
-    keys = tl.reshape(tl.join(lo, hi), [rows.shape[0], BLOCK_K])
-    return keys >= key_limit(THRESHOLD)
+    # tl.join appends its new axis last: join(join(w0, w2), join(w1, w3))[..., a, b] is word 2a + b, so column pair
+    # 4g + j takes word j of group g's call
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [rows.shape[0], BLOCK_K // 2])
+    low, high = keep_of_words(words, THRESHOLD, dtype)
+    return tl.reshape(tl.join(low, high), [rows.shape[0], BLOCK_K])
+
+
+_KEEP_ASM = """{ .reg .b32 d;
+and.b32 d, $1, 0x3FFF3FFF;
+set.ge.u32.f16x2 d, d, $2;
+and.b32 $0, d, ONE; }"""  # each half: its 14 bits as a float16 >= the threshold's: ONE's half (1 in dtype), else 0
+_KEEP_BF16_ASM = tl.constexpr(_KEEP_ASM.replace("ONE", "0x3F803F80"))
+_KEEP_F16_ASM = tl.constexpr(_KEEP_ASM.replace("ONE", "0x3C003C00"))
 
 
 @triton.jit
-def key_limit(THRESHOLD):
-    # A 16-bit draw h is kept when h >= THRESHOLD. The kernels compare 32-bit keys instead: the word itself for its
-    # high half (its low 16 bits cannot lift it past a multiple of 2^16) and the word shifted up 16 for its low half,
-    # against THRESHOLD << 16 (unsigned). One instruction a draw fewer than extracting the halves.
-    return tl.cast(THRESHOLD, tl.uint32) << 16
+def keep_of_words(words, THRESHOLD, dtype: tl.constexpr):
+    # words: uint32, each drawing a pair of neighbouring columns (its low half the first). Returns (first, second):
+    # 1 where the half's low 14 bits are >= THRESHOLD, else 0, in dtype, shaped as words. 16-bit dtypes take one
+    # paired float16 compare (the module's top); the interpreter and float32 the integer compares.
+    if INTERPRETED or dtype == tl.float32:  # one return at the end: Triton traces the code after an early one
+        first = ((words & 0x3FFF) >= THRESHOLD).to(dtype)
+        second = (((words >> 16) & 0x3FFF) >= THRESHOLD).to(dtype)
+    else:
+        limit = tl.cast(THRESHOLD, tl.uint32) * 0x10001  # in both halves: a float16 bit pattern like the draws'
+        if dtype == tl.bfloat16:
+            pair = tl.inline_asm_elementwise(_KEEP_BF16_ASM, "=r,r,r", [words, limit], dtype=tl.uint32,
+                                             is_pure=True, pack=1)
+        else:
+            pair = tl.inline_asm_elementwise(_KEEP_F16_ASM, "=r,r,r", [words, limit], dtype=tl.uint32,
+                                             is_pure=True, pack=1)
+        first = (pair & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True)
+        second = (pair >> 16).to(tl.uint16).to(dtype, bitcast=True)
+    return first, second
 
 
 def _mulhilo(a: torch.Tensor, b: int):
@@ -118,6 +154,6 @@ def keep_mask_reference(seed: int, n_rows: int, n_cols: int, p: float, device=No
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + _KEY_A) & _MASK32
         k1 = (k1 + _KEY_B) & _MASK32
-    words = torch.stack([c0, c2, c1, c3], dim=-1)  # [rows, groups, (i, t)]: word 2t + i at 2i + t
-    draws = torch.stack([words & 0xFFFF, words >> 16], dim=-2).reshape(n_rows, groups * 8)  # half h at 4h
-    return draws[:, :n_cols] >= drop_threshold(p)
+    words = torch.stack([c0, c1, c2, c3], dim=-1)  # [rows, groups, j]: column 8g + 2j + h takes half h of word j
+    draws = torch.stack([words, words >> 16], dim=-1) & ((1 << KEEP_BITS) - 1)
+    return draws.reshape(n_rows, groups * 8)[:, :n_cols] >= drop_threshold(p)

@@ -77,7 +77,7 @@ def _lora_matmul(a_ptr, b_ptr, c_ptr, z_ptr, l_ptr, r_ptr, shrink_ptr, bias_ptr,
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if FUSE_SHRINK:
             if MASK_INPUT:
-                a = a * keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS).to(a.dtype)  # as x * mask
+                a = a * keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS, a.dtype)  # as x * mask
             w = tl.load(shrink_ptr + ranks[:, None] * stride_sr + (k0 + ks[None, :]) * stride_sk,
                         mask=(ranks[:, None] < rank) & (k0 + ks[None, :] < K), other=0.0)
             low = tl.dot(a.to(cd), tl.trans(w.to(cd)), low, input_precision=LORA_PRECISION)

@@ -41,7 +41,7 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
                     mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
         if HAS_DROPOUT:
-            x = x * keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS).to(x.dtype)  # as x * mask
+            x = x * keep_tile(seed_ptr, rows, k0, threshold, BLOCK_K, ROUNDS, x.dtype)  # as x * mask
         a_offs = ranks[:, None] * K + cols[None, :]
         a_mask = (ranks[:, None] < rank) & (cols[None, :] < K)
         if ON_PIECES:
@@ -92,7 +92,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
             # The mask as 0/1 in x's dtype (products with it are exact): dx needs it in the dot's layout too, and
             # moving a 16-bit tile between layouts measured cheaper than an i1 one (H200, with dx, same outputs: x of
             # 8192 x 4096 98 -> 95 us, 8192 x 14336 323 -> 303 us with float32 adapters).
-            keep = keep_tile(seed_ptr, rows, tl.program_id(0) * BLOCK_K, threshold, BLOCK_K, ROUNDS).to(x.dtype)
+            keep = keep_tile(seed_ptr, rows, tl.program_id(0) * BLOCK_K, threshold, BLOCK_K, ROUNDS, x.dtype)
             x = x * keep
         if ON_PIECES:
             ds_hi, ds_mid, ds_lo = split_bf16(ds)

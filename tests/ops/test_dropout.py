@@ -16,7 +16,7 @@ SIGMAS = 5
 
 
 def p_effective(p):
-    return drop_threshold(p) / 65536
+    return drop_threshold(p) / 16384
 
 
 def assert_fraction(observed: float, expected: float, n: int, what: str):
@@ -32,24 +32,25 @@ def equal_fraction(p):
 
 
 @triton.jit
-def _mask_kernel(seed_ptr, out_ptr, M, N, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _mask_kernel(seed_ptr, ones_ptr, out_ptr, M, N, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                  ROUNDS: tl.constexpr):
-    # out: [M, N] int8, keep_tile's mask as the kernels draw it, tile by tile
+    # ones, out: [M, N] of one dtype; out = ones * keep_tile's mask (in that dtype), as the kernels apply it, tile by
+    # tile
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_start = tl.program_id(1) * BLOCK_K
-    keep = keep_tile(seed_ptr, rows, col_start, threshold, BLOCK_K, ROUNDS)
-    cols = col_start + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], keep.to(tl.int8),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offsets, inside = rows[:, None] * N + cols[None, :], (rows[:, None] < M) & (cols[None, :] < N)
+    ones = tl.load(ones_ptr + offsets, mask=inside)
+    keep = keep_tile(seed_ptr, rows, tl.program_id(1) * BLOCK_K, threshold, BLOCK_K, ROUNDS, ones.dtype)
+    tl.store(out_ptr + offsets, ones * keep, mask=inside)
 
 
-def kernel_mask(seed, n_rows, n_cols, p, block_m, block_k):
-    out = torch.full((n_rows, n_cols), -1, dtype=torch.int8)
+def kernel_mask(seed, n_rows, n_cols, p, block_m, block_k, dtype=torch.bfloat16):
+    out = torch.full((n_rows, n_cols), -1, dtype=dtype)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_k))
-    _mask_kernel[grid](seed_tensor(seed), out, n_rows, n_cols, drop_threshold(p), BLOCK_M=block_m, BLOCK_K=block_k,
-                       ROUNDS=PHILOX_ROUNDS)
-    assert (out >= 0).all(), "keep_tile left elements unwritten"
-    return out.bool()
+    _mask_kernel[grid](seed_tensor(seed), torch.ones(n_rows, n_cols, dtype=dtype), out, n_rows, n_cols,
+                       drop_threshold(p), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS)
+    assert ((out == 0) | (out == 1)).all(), "keep_tile left elements unwritten, or not 0 or 1"
+    return out == 1
 
 
 @pytest.mark.parametrize("seed", [0, 0x1234_5678, BIG_SEED, 2**62 - 1])
@@ -62,12 +63,13 @@ def test_kernel_draws_the_reference_mask(n_rows, n_cols, block_m, block_k, seed)
                        keep_mask_reference(seed, n_rows, n_cols, p))
 
 
-@pytest.mark.parametrize("p", [1.5e-5, 0.5, 0.999])
-def test_kernel_mask_at_extreme_thresholds(p):
-    # Thresholds 1 (an argument Triton specializes as a constant), 32768 and 65470: the kernels compare
-    # threshold << 16 as an unsigned key, which passes 2^31 above one half.
-    assert drop_threshold(p) in (1, 32768, 65470)
-    assert torch.equal(kernel_mask(BIG_SEED, 64, 256, p, 32, 128), keep_mask_reference(BIG_SEED, 64, 256, p))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("p", [6e-5, 0.004, 0.5, 0.9999])
+def test_kernel_mask_at_extreme_thresholds(p, dtype):
+    # Thresholds 1 (an argument Triton specializes as a constant), 66 (a float16 subnormal as the paired compare reads
+    # it), 8192 and 16382 (the largest), for each dtype the mask is made in (its own instructions on a GPU).
+    assert drop_threshold(p) in (1, 66, 8192, 16382)
+    assert torch.equal(kernel_mask(BIG_SEED, 64, 256, p, 32, 128, dtype), keep_mask_reference(BIG_SEED, 64, 256, p))
 
 
 def test_kernel_keep_rate():
@@ -133,10 +135,10 @@ def test_zero_probability_keeps_everything():
 @pytest.mark.parametrize("p", [0.0, 1e-6, 0.05, 0.1, 1 / 3, 0.5, 0.999])
 def test_threshold_and_scale(p):
     t = drop_threshold(p)
-    assert isinstance(t, int) and t == round(p * 65536)
-    assert abs(t / 65536 - p) <= 0.5 / 65536
-    assert keep_scale(p) == 65536 / (65536 - t)  # exact expectation: (1 - p_eff) * scale == 1
-    assert abs((1 - t / 65536) * keep_scale(p) - 1) < 1e-12
+    assert isinstance(t, int) and t == round(p * 16384)
+    assert abs(t / 16384 - p) <= 0.5 / 16384
+    assert keep_scale(p) == 16384 / (16384 - t)  # exact expectation: (1 - p_eff) * scale == 1
+    assert abs((1 - t / 16384) * keep_scale(p) - 1) < 1e-12
 
 
 @pytest.mark.parametrize("p", [1.0, 1.5, -0.1, math.nan])
@@ -145,6 +147,11 @@ def test_bad_probability_raises(p):
         drop_threshold(p)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         keep_scale(p)
+
+
+def test_probability_that_rounds_to_one_raises():
+    with pytest.raises(ValueError, match="rounds to 1 .* 1/16384"):
+        drop_threshold(0.99999)
 
 
 def test_new_seed():
