@@ -28,6 +28,7 @@ DRAWS_PER_CALL = 8  # 4 words x 2 halves
 PHILOX_ROUNDS = 7  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11); 10 only adds margin, at 40% more cost
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) runs no inline assembly: the plain compares instead
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+DRAW_MASK = tl.constexpr((1 << KEEP_BITS) - 1)  # a draw: these bits of its half-word
 
 _KEY_A, _KEY_B, _ROUND_A, _ROUND_B = 0x9E3779B9, 0xBB67AE85, 0xD2511F53, 0xCD9E8D57
 PHILOX_KEY_A = tl.constexpr(_KEY_A)
@@ -70,7 +71,7 @@ def new_seed(device) -> torch.Tensor:
 def philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
     for _ in tl.static_range(ROUNDS):
         # one 32 x 32 -> 64-bit product gives both words (one IMAD.WIDE on sm_90, where umulhi and a multiply
-        # took two instructions: 1120 -> 1048 in the masked shrink's loop, compiled for sm_90)
+        # took two instructions: the masked shrink's kernel 1120 -> 1048 instructions, compiled for sm_90)
         product_b = c2.to(tl.uint64) * PHILOX_ROUND_B
         product_a = c0.to(tl.uint64) * PHILOX_ROUND_A
         c0 = (product_b >> 32).to(tl.uint32) ^ c1 ^ k0
@@ -101,10 +102,11 @@ def keep_tile(seed_ptr, rows, col_start, THRESHOLD, BLOCK_K: tl.constexpr, ROUND
     return tl.reshape(tl.join(low, high), [rows.shape[0], BLOCK_K])
 
 
-_KEEP_ASM = """{ .reg .b32 d;
-and.b32 d, $1, 0x3FFF3FFF;
+# each half: its draw as a float16 >= the threshold's: ONE's half (1 in the dtype), else 0
+_KEEP_ASM = f"""{{ .reg .b32 d;
+and.b32 d, $1, {DRAW_MASK.value * 0x10001:#x};
 set.ge.u32.f16x2 d, d, $2;
-and.b32 $0, d, ONE; }"""  # each half: its 14 bits as a float16 >= the threshold's: ONE's half (1 in dtype), else 0
+and.b32 $0, d, ONE; }}"""
 _KEEP_BF16_ASM = tl.constexpr(_KEEP_ASM.replace("ONE", "0x3F803F80"))
 _KEEP_F16_ASM = tl.constexpr(_KEEP_ASM.replace("ONE", "0x3C003C00"))
 
@@ -112,11 +114,11 @@ _KEEP_F16_ASM = tl.constexpr(_KEEP_ASM.replace("ONE", "0x3C003C00"))
 @triton.jit
 def keep_of_words(words, THRESHOLD, dtype: tl.constexpr):
     # words: uint32, each drawing a pair of neighbouring columns (its low half the first). Returns (first, second):
-    # 1 where the half's low 14 bits are >= THRESHOLD, else 0, in dtype, shaped as words. 16-bit dtypes take one
-    # paired float16 compare (the module's top); the interpreter and float32 the integer compares.
+    # 1 where the half's draw (its DRAW_MASK bits) is >= THRESHOLD, else 0, in dtype, shaped as words. 16-bit
+    # dtypes take one paired float16 compare (the module's top); the interpreter and float32 the integer compares.
     if INTERPRETED or dtype == tl.float32:  # one return at the end: Triton traces the code after an early one
-        first = ((words & 0x3FFF) >= THRESHOLD).to(dtype)
-        second = (((words >> 16) & 0x3FFF) >= THRESHOLD).to(dtype)
+        first = ((words & DRAW_MASK) >= THRESHOLD).to(dtype)
+        second = (((words >> 16) & DRAW_MASK) >= THRESHOLD).to(dtype)
     else:
         limit = tl.cast(THRESHOLD, tl.uint32) * 0x10001  # in both halves: a float16 bit pattern like the draws'
         if dtype == tl.bfloat16:
@@ -155,5 +157,5 @@ def keep_mask_reference(seed: int, n_rows: int, n_cols: int, p: float, device=No
         k0 = (k0 + _KEY_A) & _MASK32
         k1 = (k1 + _KEY_B) & _MASK32
     words = torch.stack([c0, c1, c2, c3], dim=-1)  # [rows, groups, j]: column 8g + 2j + h takes half h of word j
-    draws = torch.stack([words, words >> 16], dim=-1) & ((1 << KEEP_BITS) - 1)
+    draws = torch.stack([words, words >> 16], dim=-1) & DRAW_MASK.value
     return draws.reshape(n_rows, groups * 8)[:, :n_cols] >= drop_threshold(p)
