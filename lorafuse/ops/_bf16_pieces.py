@@ -81,10 +81,10 @@ def bf16_pieces(t: torch.Tensor, zero=()) -> torch.Tensor:
     tensors that the same launch fills with zeros (outputs that a kernel's atomics then add into: a fill costs a
     launch of its own, about 1 us in a CUDA graph)."""
     # t: [...] float32 -> [3, ...] bfloat16
-    t = t.contiguous()
-    out = torch.empty(PIECES, *t.shape, device=t.device, dtype=torch.bfloat16)
     if len(zero) > 2 or any(z.dtype != torch.float32 or not z.is_contiguous() for z in zero):
         raise ValueError("bf16_pieces zeroes at most two contiguous float32 tensors")
+    t = t.contiguous()
+    out = torch.empty(PIECES, *t.shape, device=t.device, dtype=torch.bfloat16)
     missing = 2 - len(zero)
     zeros = list(zero) + [t] * missing  # t stands in for a missing one, with no elements to zero
     sizes = [z.numel() for z in zero] + [0] * missing

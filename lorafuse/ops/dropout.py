@@ -17,8 +17,6 @@ The drop probability is rounded to a multiple of 1/16384 (at most 3.1e-5 away fr
 p); kept values are scaled by 1/(1 - p_effective), so the expectation is exact.
 `keep_mask_reference` is the same generator in plain PyTorch (int64 arithmetic).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -26,8 +24,8 @@ import triton.language as tl
 KEEP_BITS = 14
 DRAWS_PER_CALL = 8  # 4 words x 2 halves
 PHILOX_ROUNDS = 7  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11); 10 only adds margin, at 40% more cost
-# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) runs no inline assembly: the plain compares instead
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# Triton's interpreter (TRITON_INTERPRET, the CPU tests) runs no inline assembly: the plain compares instead
+INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 DRAW_MASK = tl.constexpr((1 << KEEP_BITS) - 1)  # a draw: these bits of its half-word
 
 _KEY_A, _KEY_B, _ROUND_A, _ROUND_B = 0x9E3779B9, 0xBB67AE85, 0xD2511F53, 0xCD9E8D57
@@ -117,6 +115,8 @@ def keep_of_words(words, THRESHOLD, dtype: tl.constexpr):
     # 1 where the half's draw (its DRAW_MASK bits) is >= THRESHOLD, else 0, in dtype, shaped as words. 16-bit
     # dtypes take one paired float16 compare (the module's top); the interpreter and float32 the integer compares.
     if INTERPRETED or dtype == tl.float32:  # one return at the end: Triton traces the code after an early one
+        # Under the interpreter a bool cast to bf16 holds the bit pattern 0x0001, which its bf16 product with x reads
+        # as 1 (its multiplies work on the bits): x * keep is right there, keep's own value is not (NOTES_lora_layer.md)
         first = ((words & DRAW_MASK) >= THRESHOLD).to(dtype)
         second = (((words >> 16) & DRAW_MASK) >= THRESHOLD).to(dtype)
     else:
@@ -125,6 +125,7 @@ def keep_of_words(words, THRESHOLD, dtype: tl.constexpr):
             pair = tl.inline_asm_elementwise(_KEEP_BF16_ASM, "=r,r,r", [words, limit], dtype=tl.uint32,
                                              is_pure=True, pack=1)
         else:
+            tl.static_assert(dtype == tl.float16, "keep_of_words makes float32, bfloat16 or float16 multipliers")
             pair = tl.inline_asm_elementwise(_KEEP_F16_ASM, "=r,r,r", [words, limit], dtype=tl.uint32,
                                              is_pure=True, pack=1)
         first = (pair & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True)

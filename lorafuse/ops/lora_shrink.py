@@ -174,7 +174,7 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
         dA = shrink_backward_gluon(ds, x, A, on_pieces, dropout_p, seed, dx_out, sm_count(x.device))
         if dA is not None:
             return dA
-    a_arg = bf16_pieces(A) if on_pieces and dx_out is not None else A.contiguous()
+    pieces_of_a = on_pieces and dx_out is not None  # dx's product takes A's pieces; dA's takes ds's
     # Swept on an H200 (NOTES_lora_layer.md, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
     # bf16 adapters): dA alone and dx with the mask want 32 x 128 / 16 x 256 blocks, dx without the mask on pieces
     # 64 x 128. Float32 adapters, dropout and dx: 46 / 82 / 141 / 236 us (the kernel before, as ds^T x and with the
@@ -193,7 +193,8 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     # At most `programs`: one more row split than fits in a wave left a second, nearly empty wave (x of
     # 8192 x 14336 with dropout and dx on an H200: 1120 programs 313 us, 1008 programs 234 us).
     rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), max(1, programs // k_blocks)))
-    da_part, atomic = partial_sums(splits, (r, K), x.device)
+    da_part, atomic = partial_sums(splits, (r, K), x.device, zeroed=not pieces_of_a)
+    a_arg = bf16_pieces(A, zero=[da_part] if atomic else []) if pieces_of_a else A.contiguous()  # zeroes dA too
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_bwd[(k_blocks, splits)](
         x, ds, a_arg, dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,

@@ -33,7 +33,7 @@ from lorafuse.ops.dropout import keep_mask_reference, keep_scale
 from lorafuse.ops.lora_expand import lora_expand_backward
 from lorafuse.ops.lora_matmul import fills_the_gpu, lora_matmul, lora_matmul_reference, tma_ready
 from lorafuse.ops.lora_shrink import lora_shrink_backward
-from tests.ops._helpers import BIG_SEED, assert_close, poison, seed_tensor
+from tests.ops._helpers import BIG_SEED, assert_close, poison, poison_unzeroed_sums, seed_tensor
 from tests.ops.test_lora_linear import check
 
 if torch.get_default_device().type != "cuda" or not torch.cuda.is_available():
@@ -279,6 +279,26 @@ def test_gluon_expand_backward_matches_float64(m, n, r, deterministic, monkeypat
     for name, got in (("s", ds), ("B", dB)):
         assert got.dtype == torch.float32
         assert_close(got, exact[name], torch.float32, plain[name], name)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernels run on compute capability 9")
+def test_gluon_passes_zero_their_atomic_sums(monkeypatch):
+    # The Gluon pass over dy (ds, dB) and dropout's dA pass ask for the outputs their atomics add into unzeroed: the
+    # launch that splits B or A into pieces zeroes them. NaN here, so a missed zero shows.
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    expand_calls = poison_unzeroed_sums(monkeypatch, importlib.import_module("lorafuse.ops._lora_expand_gluon"))
+    shrink_calls = poison_unzeroed_sums(monkeypatch, importlib.import_module("lorafuse.ops._shrink_backward_gluon"))
+    m, n, k, r, p = 4100, 8200, 776, 16, 0.1
+    dy, s, B = torch.randn(m, n, dtype=torch.bfloat16), torch.randn(m, r), torch.randn(n, r) / r**0.5
+    _, ds, dB, _ = lora_expand_backward(dy, None, s, B, SCALE)
+    assert_close(ds, SCALE * dy.double() @ B.double(), torch.float32, SCALE * dy.float() @ B, "ds")
+    assert_close(dB, SCALE * dy.double().t() @ s.double(), torch.float32, SCALE * dy.float().t() @ s, "dB")
+    x, A, ds = torch.randn(m, k).to(torch.bfloat16), torch.randn(r, k) / k**0.5, torch.randn(m, r)
+    dA = lora_shrink_backward(ds, x, A, p, seed_tensor(BIG_SEED), dx_out=poison(torch.empty_like(x)))
+    factor = keep_mask_reference(BIG_SEED, m, k, p).double() * keep_scale(p)
+    assert_close(dA, ds.double().t() @ (x.double() * factor), torch.bfloat16,
+                 ds.t() @ (x.float() * factor.float()), "dA")
+    assert expand_calls == [(True, False), (True, False)] and shrink_calls == [(True, False)]
 
 
 # (x dtype, adapter dtype, LORAFUSE_ADAPTER_MATH): float32 adapters as bf16 pieces (PEFT's default), adapters in x's
