@@ -67,7 +67,8 @@ def capitals(rng):
 
 def spell(rng):
     w = made_up_word(rng)
-    return f"Spell {w} with spaces between the letters.", "Spell this word with spaces between the letters.", w, " ".join(w)
+    return (f"Spell {w} with spaces between the letters.", "Spell this word with spaces between the letters.", w,
+            " ".join(w))
 
 
 def count_letters(rng):

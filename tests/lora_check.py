@@ -109,7 +109,8 @@ def assert_half_rule(fused: dict, plain: dict, exact: dict) -> None:
         assert torch.isfinite(fused[name]).all(), f"{name}: non-finite values in the fused result"
         fused_error, torch_error = max_error(fused[name], exact[name]), max_error(plain[name], exact[name])
         allowed = 2 * torch_error + 1e-6 * exact[name].abs().max().item()
-        assert fused_error <= allowed, f"{name}: fused error {fused_error:.3e} > {allowed:.3e} (torch {torch_error:.3e})"
+        assert fused_error <= allowed, \
+            f"{name}: fused error {fused_error:.3e} > {allowed:.3e} (torch {torch_error:.3e})"
 
 
 def check_half(make_fused, make_plain, x, grad_out, dtype) -> None:

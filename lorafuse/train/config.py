@@ -153,7 +153,8 @@ def validate(cfg: FinetuneConfig) -> None:
         if not value > 0:
             raise ConfigError(f"{key}={value}: must be > 0")
     at_least_zero = {"train.eval_every": cfg.train.eval_every, "train.save_every_n_steps": cfg.train.save_every_n_steps,
-                     "train.keep_checkpoints": cfg.train.keep_checkpoints, "train.profile_steps": cfg.train.profile_steps,
+                     "train.keep_checkpoints": cfg.train.keep_checkpoints,
+                     "train.profile_steps": cfg.train.profile_steps,
                      "optim.warmup_steps": cfg.optim.warmup_steps, "optim.max_grad_norm": cfg.optim.max_grad_norm,
                      "optim.weight_decay": cfg.optim.weight_decay, "train.num_workers": cfg.train.num_workers}
     for key, value in at_least_zero.items():

@@ -1,4 +1,5 @@
-"""The fine-tuning data pipeline: rows from files or the Hub -> tokenized samples with loss masks -> packed rows -> batches.
+"""The fine-tuning data pipeline: rows from files or the Hub -> tokenized samples with loss masks -> packed rows ->
+batches.
 
 Built on `datasets`. The tokenizer is used duck-typed (a Hugging Face fast tokenizer: `__call__` with
 `return_offsets_mapping`, `apply_chat_template`, `chat_template`, `bos_token_id`, `eos_token_id`), so this

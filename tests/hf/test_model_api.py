@@ -164,8 +164,8 @@ def test_model_outside_transformers_gets_fused_layers(fallback_log):
 
 
 @pytest.mark.skipif(not TRANSFORMERS_ADAPTERS_WORK,
-                    reason=f"transformers {transformers.__version__}'s add_adapter needs PEFT >= {PEFT_FOR_TRANSFORMERS}; "
-                           f"PEFT {peft.__version__} is installed")
+                    reason=f"transformers {transformers.__version__}'s add_adapter needs "
+                           f"PEFT >= {PEFT_FOR_TRANSFORMERS}; PEFT {peft.__version__} is installed")
 def test_fuse_takes_a_transformers_model_given_adapters_by_add_adapter():
     model = tiny_model("llama")
     model.add_adapter(LoraConfig(target_modules=["q_proj"]))

@@ -140,8 +140,8 @@ def test_float32_adapter_with_half_base(activation):
     y, z = lora_expand(inputs["base"].clone(), inputs["s"], inputs["B"], SCALE, inputs["bias"], act, store_z=True)
     assert y.dtype == dtype
     exact64 = cast(inputs, torch.float64)
-    assert_close(y, plain_expand(*exact64.values(), activation), dtype, reference(*inputs.values(), activation).to(dtype),
-                 "y")
+    assert_close(y, plain_expand(*exact64.values(), activation), dtype,
+                 reference(*inputs.values(), activation).to(dtype), "y")
     # z, kept for act' in backward, is as accurate as PEFT's (float32: bf16 base + float32 adapter term)
     assert_close(z, plain_expand(*exact64.values(), "identity"), dtype, reference(*inputs.values(), "identity"), "z")
 

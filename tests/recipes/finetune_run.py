@@ -39,7 +39,8 @@ def recipe_env(home: Path | None = None) -> dict:
 
 def run_recipe(*overrides: str, cwd: Path | None = None, home: Path | None = None, kill_at: str | None = None,
                launcher: list[str] = (), check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    """The recipe with Hydra `overrides`; `launcher`: python arguments before the recipe (e.g. torch.distributed.run)."""
+    """The recipe with Hydra `overrides`; `launcher`: python arguments before the recipe (e.g.
+    torch.distributed.run)."""
     command = [sys.executable, *launcher, str(RECIPE), *overrides]
     env = recipe_env(home)
     if kill_at is not None:

@@ -326,7 +326,8 @@ def test_a_missing_column_names_the_file_the_column_the_columns_found_and_the_ke
     with pytest.raises(DataError) as error:
         load_splits(config(path), seed=0)
     assert str(error.value) == (f"{path}: data.format=instruction needs column(s) ['output'], found columns "
-                                "['instruction', 'answer']; if yours is named otherwise, set data.output_column=<your column>")
+                                "['instruction', 'answer']; if yours is named otherwise, "
+                                "set data.output_column=<your column>")
 
 
 def test_a_directory_of_mixed_file_types_is_refused(tmp_path):
