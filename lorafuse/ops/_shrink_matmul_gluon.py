@@ -32,6 +32,9 @@ there).
   the count before it could go on.
 - With dropout the mask's Philox draws cost about an MMA per x tile; drawn in the shrink steps, or ahead as bits, the
   kernel ran 1.5-8 % behind the separate masked shrink (H100, benchmarks/NOTES_lora_layer.md): dropout keeps it.
+  Tried again with the cheaper 14-bit mask, drawn and applied in the registers of the small MMA's operand (no trip
+  through shared memory), it still lost: 1.159 against 1.114 x cuBLAS at 4096 -> 4096, 1.111 against 1.081 at
+  14336 -> 4096 (H100). The draws do not hide behind the big MMAs in flight: they cost about their issue time.
 
 benchmarks/probe_shrink_matmul.py (H100, 8192 rows, r = 16, packing launches included, graph-replayed, ratio to
 cuBLAS's GEMM alone), against the separate shrink and _lora_matmul_gluon's GEMM: 4096 -> 4096 1.106 against 1.146
