@@ -1,7 +1,7 @@
 """Probe: the layer's backward without dropout with dA made by the dx GEMM (two more steps a tile:
-ops/_lora_matmul_gluon.py's SHRINK_GRAD), against the route it replaces (lora_shrink_backward's pass over x, then
-lora_matmul's Gluon GEMM with the rank-r K-step) and cuBLAS's g @ W alone. `fused` adds the row blocks' parts of dA
-with float32 atomics; under deterministic algorithms (`_fixed_order`: recorded under
+ops/_lora_matmul_gluon.py's _gemm_dx_and_shrink_grad), against the route it replaces (lora_shrink_backward's pass
+over x, then lora_matmul's Gluon GEMM with the rank-r K-step) and cuBLAS's g @ W alone. `fused` adds the row blocks'
+parts of dA with float32 atomics; under deterministic algorithms (`_fixed_order`: recorded under
 torch.use_deterministic_algorithms(True)) both routes store their parts for a sum in order.
 
     python benchmarks/probe_shrink_grad_gemm.py [--rounds 30] [--out DIR]

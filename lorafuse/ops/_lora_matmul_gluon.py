@@ -4,11 +4,15 @@ rank_r_operands_reference.
 
 Why Gluon: Triton's own pipeliner keeps a persistent TMA GEMM at cuBLAS's speed only while its tile loop is a plain
 K-loop; the rank-r term in the epilogue cost 2-9 %, and as an extra K-step the pipeliner fell back to one stage
-(benchmarks/NOTES_lora_layer.md). Gluon (part of Triton) lets the kernel write its own pipeline: TMA loads run
-NUM_BUFFERS - 1 steps ahead of the asynchronous warpgroup MMAs, across tile boundaries, and the rank-r step is one
-more load of the ring from two more descriptors. H200, 8192 rows, r = 16: 1.01-1.05x cuBLAS's GEMM alone with the
-packing launch (the kernel alone 1.00-1.03x), against 1.02-1.08x for the Triton kernel
-(benchmarks/probe_rank_r_gemm.py, results/rank_r_gemm.csv).
+(benchmarks/NOTES_lora_layer.md). Gluon (part of Triton) lets the kernel write its own pipeline, and the rank-r step
+is one more load of the ring from two more descriptors.
+
+_gemm_rank_r is warp-specialised (gl.warp_specialize, which Triton 3.6 compiles for sm_90 with setmaxnreg): one warp
+issues the TMA loads, across tiles, into the ring slots as the MMA warps release them; the MMA warps wait only for
+their slot's data, keep one MMA in flight and release the slot of the one before. Against the same pipeline run by one set
+of warps (loads issued between the MMAs, each MMA waited for before the next): the same bits, and H200, 8192 rows,
+r = 16, float32 adapters, with the packing launch, x cuBLAS's GEMM alone: 4096 -> 4096 1.034 -> 1.031, 4096 -> 14336
+1.030 -> 1.025, 14336 -> 4096 1.016 -> 1.011, 2048 -> 8192 1.045 -> 1.002 (benchmarks/NOTES_lora_layer.md).
 
 The rank-r operands are packed by one Triton launch (`rank_r_operands`): L = [scale * low | 1] and R = [right; bias]
 in A's dtype. float32 adapters on bf16 activations go as bf16 pieces along K (_bf16_pieces.py): L = [l0 | l1 | l0],
@@ -33,6 +37,7 @@ from ._tiles import MAX_PARTS_BYTES, atomic_partial_sums, lora_in_fp32, padded_r
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 NUM_BUFFERS, GROUP_M, WARPS = 3, 8, 8  # 3 x 48 KiB of operand ring + 64 KiB for C's store: 208 KiB of shared memory
+LOAD_REGISTERS = 40  # _gemm_rank_r's load warp: its loop's indices (24 read the same: H200)
 
 
 def rank_r_width(r: int, pieces: bool, bias_columns: int, all_low_pieces: bool = False) -> int:
@@ -204,6 +209,11 @@ if gluon is not None:
         return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
 
     @gluon.jit
+    def _tile_grid(M, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        # a persistent GEMM's (row blocks, column blocks, K-steps, this program's first tile, programs)
+        return gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), gl.cdiv(K, BLOCK_K), gl.program_id(0), gl.num_programs(0)
+
+    @gluon.jit
     def _load_step(loads, step, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring, b_ring,
                    B_K_MAJOR: gl.constexpr, pred):
         # TMA loads of K-step `step` of the tile at (off_m, off_n) into ring slot loads % buffers; the steps past
@@ -243,7 +253,7 @@ if gluon is not None:
 
     @gluon.jit
     def _load_grad_step(loads, half, off_m, off_n, l_desc, x_desc, ready, a_ring, b_ring):
-        # The loads of a shrink-gradient step (_gemm_rank_r's SHRINK_GRAD) into ring slot loads % buffers: L's first
+        # The loads of a shrink-gradient step (_gemm_dx_and_shrink_grad's) into ring slot loads % buffers: L's first
         # box of the tile's rows (A's slot) and the `half`-th [BK, BN] box of x at the tile's rows and columns (B's).
         index = loads % a_ring.type.shape[0]
         bar = ready.index(index)
@@ -337,32 +347,28 @@ if gluon is not None:
         return loads, mmas, acc
 
     @gluon.jit
-    def _gemm_rank_r(a_desc, b_desc, l_desc, r_desc, c_desc, x_desc, grad_ptr, M, N, K, rank,
-                     RANK_STEPS: gl.constexpr, B_K_MAJOR: gl.constexpr, SHRINK_GRAD: gl.constexpr,
-                     GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr, ATOMIC: gl.constexpr,
-                     NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
-        # A: [M, K] in [BM, BK] boxes; B: [N, K] in [BN, BK] boxes when B_K_MAJOR (x @ W^T), else [K, N] in [BK, BN];
-        # L: [M, width] in A's boxes, R: like B with width for K; C: [M, N] in [BM, BN] boxes. Persistent: program p
-        # takes tiles p, p + programs, ... Each tile runs cdiv(K, BK) + RANK_STEPS steps; the loads of a tile's
-        # first NUM_BUFFERS - 1 steps go out while the tile before finishes, and its C store drains during the next.
-        # SHRINK_GRAD (B [K, N], width <= BK, cdiv(K, BK) >= 3): two more steps a tile make L[:, :BK]^T @ x for its
-        # rows and columns (x: [M, N] in B's boxes), which _store_shrink_grad adds to grad (ATOMIC: [rank, N] fp32,
-        # zeroed) or stores as the row block's partial sum ([cdiv(M, BM), rank, N]): the layer's dA = ds^T x beside
-        # dx = g W + ds A.
+    def _gemm_dx_and_shrink_grad(a_desc, b_desc, l_desc, r_desc, c_desc, x_desc, grad_ptr, M, N, K, rank,
+                                 RANK_STEPS: gl.constexpr, GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr,
+                                 ATOMIC: gl.constexpr, NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr,
+                                 num_warps: gl.constexpr):
+        # A: [M, K] in [BM, BK] boxes; B: [K, N] in [BK, BN]; L: [M, width] in A's boxes, R: like B with width for
+        # K; C: [M, N] in [BM, BN] boxes. Persistent: program p takes tiles p, p + programs, ... Each tile runs
+        # cdiv(K, BK) + RANK_STEPS steps; the loads of a tile's first NUM_BUFFERS - 1 steps go out while the tile
+        # before finishes, and its C store drains during the next. Two more steps a tile (width <= BK,
+        # cdiv(K, BK) >= 3) make L[:, :BK]^T @ x for its rows and columns (x: [M, N] in B's boxes), which
+        # _store_shrink_grad adds to grad (ATOMIC: [rank, N] fp32, zeroed) or stores as the row block's partial sum
+        # ([cdiv(M, BM), rank, N]): the layer's dA = ds^T x beside dx = g W + ds A.
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        B_K_MAJOR: gl.constexpr = False
         dtype: gl.constexpr = a_desc.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         a_ring, b_ring, c_smem, ready = _gemm_buffers(a_desc, b_desc, c_desc, NUM_BUFFERS)
 
-        blocks_m = gl.cdiv(M, BLOCK_M)
-        blocks_n = gl.cdiv(N, BLOCK_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
+        blocks_m, blocks_n, k_steps, tile, programs = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         steps = k_steps + RANK_STEPS
-        tile = gl.program_id(0)
-        programs = gl.num_programs(0)
         loads = 0
         mmas = 0
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
@@ -372,27 +378,22 @@ if gluon is not None:
         for s in gl.static_range(NUM_BUFFERS - 1):
             loads = _load_step(loads, s, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring, b_ring,
                                B_K_MAJOR, True)
-        if SHRINK_GRAD:
-            gl.static_assert(NUM_BUFFERS == 3 and BLOCK_M == 2 * BLOCK_K and not B_K_MAJOR,
-                             "SHRINK_GRAD places its steps for loads two steps ahead, reads L's box as two halves of "
-                             "BK rows and x in B's [BK, BN] boxes")
-            # The K-step before which this program's tiles run L^T x (in [2, steps - 2]), spread over the tile across
-            # the programs, which run in step: at every tile's end, all programs' reads of x and atomics at once left
-            # the tensor cores waiting (H200, 8192 x 4096 -> 4096, float32 adapters: 1.141 x cuBLAS against 1.095)
-            grad_at = 2 + tile * (steps - 3) // programs
+        gl.static_assert(NUM_BUFFERS == 3 and BLOCK_M == 2 * BLOCK_K,
+                         "the shrink-gradient steps are placed for loads two steps ahead and read L's box as two "
+                         "halves of BK rows")
+        # The K-step before which this program's tiles run L^T x (in [2, steps - 2]), spread over the tile across
+        # the programs, which run in step: at every tile's end, all programs' reads of x and atomics at once left
+        # the tensor cores waiting (H200, 8192 x 4096 -> 4096, float32 adapters: 1.141 x cuBLAS against 1.095)
+        grad_at = 2 + tile * (steps - 3) // programs
         for _ in range(gl.cdiv(blocks_m * blocks_n - tile, programs)):
             mmas, acc = _mma_step(mmas, acc, False, ready, a_ring, b_ring, B_K_MAJOR)
-            if SHRINK_GRAD:
-                loads, mmas, acc = _k_steps(NUM_BUFFERS - 1, grad_at, loads, mmas, acc, k_steps, off_m, off_n, a_desc,
-                                            b_desc, l_desc, r_desc, ready, a_ring, b_ring, B_K_MAJOR)
-                loads, mmas, acc = _shrink_grad_steps(grad_at, loads, mmas, acc, k_steps, off_m, off_n, pid_m, a_desc,
-                                                      b_desc, l_desc, r_desc, x_desc, c_smem, grad_ptr, N, rank, ready,
-                                                      a_ring, b_ring, GROUP_ROWS, LOW_PIECES, ATOMIC, num_warps)
-                loads, mmas, acc = _k_steps(grad_at + 2, steps, loads, mmas, acc, k_steps, off_m, off_n, a_desc,
-                                            b_desc, l_desc, r_desc, ready, a_ring, b_ring, B_K_MAJOR)
-            else:
-                loads, mmas, acc = _k_steps(NUM_BUFFERS - 1, steps, loads, mmas, acc, k_steps, off_m, off_n, a_desc,
-                                            b_desc, l_desc, r_desc, ready, a_ring, b_ring, B_K_MAJOR)
+            loads, mmas, acc = _k_steps(NUM_BUFFERS - 1, grad_at, loads, mmas, acc, k_steps, off_m, off_n, a_desc,
+                                        b_desc, l_desc, r_desc, ready, a_ring, b_ring, B_K_MAJOR)
+            loads, mmas, acc = _shrink_grad_steps(grad_at, loads, mmas, acc, k_steps, off_m, off_n, pid_m, a_desc,
+                                                  b_desc, l_desc, r_desc, x_desc, c_smem, grad_ptr, N, rank, ready,
+                                                  a_ring, b_ring, GROUP_ROWS, LOW_PIECES, ATOMIC, num_warps)
+            loads, mmas, acc = _k_steps(grad_at + 2, steps, loads, mmas, acc, k_steps, off_m, off_n, a_desc,
+                                        b_desc, l_desc, r_desc, ready, a_ring, b_ring, B_K_MAJOR)
             store_m = off_m
             store_n = off_n
             tile += programs
@@ -415,8 +416,82 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
 
+    @gluon.jit
+    def _rank_r_loads(a_desc, b_desc, l_desc, r_desc, a_ring, b_ring, ready, empty, M, N, K,
+                      RANK_STEPS: gl.constexpr, B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr):
+        # _gemm_rank_r's load warp: every step of every tile of this program, in the order the MMAs take them, into
+        # the ring slot that the MMA warps last released (`empty`)
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        buffers: gl.constexpr = a_ring.type.shape[0]
+        BLOCK_N: gl.constexpr = b_ring.type.shape[1] if B_K_MAJOR else b_ring.type.shape[2]
+        blocks_m, blocks_n, k_steps, tile, programs = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        loads = 0
+        for _ in range(gl.cdiv(blocks_m * blocks_n - tile, programs)):
+            pid_m, pid_n = _tile_coords(tile, blocks_m, blocks_n, GROUP_M)
+            for step in range(k_steps + RANK_STEPS):
+                mbarrier.wait(empty.index(loads % buffers), (loads // buffers & 1) ^ 1)  # at first: free already
+                loads = _load_step(loads, step, k_steps, pid_m * BLOCK_M, pid_n * BLOCK_N, a_desc, b_desc, l_desc,
+                                   r_desc, ready, a_ring, b_ring, B_K_MAJOR, True)
+            tile += programs
+
+    @gluon.jit
+    def _rank_r_mmas(c_desc, a_ring, b_ring, c_smem, ready, empty, M, N, K, RANK_STEPS: gl.constexpr,
+                     B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_K: gl.constexpr):
+        # _gemm_rank_r's MMA warps: each step's MMA issued as soon as its slot is loaded, one in flight; the slot of
+        # the one before is released once it completes. Then the tile's C through c_smem, stored by TMA while the
+        # next tile's MMAs run.
+        BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        buffers: gl.constexpr = a_ring.type.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        blocks_m, blocks_n, k_steps, tile, programs = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        steps = k_steps + RANK_STEPS
+        mmas = 0
+        for _ in range(gl.cdiv(blocks_m * blocks_n - tile, programs)):
+            pid_m, pid_n = _tile_coords(tile, blocks_m, blocks_n, GROUP_M)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+            for step in range(steps):
+                index = mmas % buffers
+                mbarrier.wait(ready.index(index), mmas // buffers & 1)
+                b = b_ring.index(index)
+                if B_K_MAJOR:
+                    b = b.permute((1, 0))
+                acc = warpgroup_mma(a_ring.index(index), b, acc, use_acc=step > 0, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # the MMA before this one has read its slot (Gluon syncs these warps before one of them arrives)
+                mbarrier.arrive(empty.index((mmas + buffers - 1) % buffers), pred=step > 0)
+                mmas += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((mmas + buffers - 1) % buffers))
+            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+            tile += programs
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm_rank_r(a_desc, b_desc, l_desc, r_desc, c_desc, M, N, K, RANK_STEPS: gl.constexpr,
+                     B_K_MAJOR: gl.constexpr, NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr,
+                     LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+        # A: [M, K] in [BM, BK] boxes; B: [N, K] in [BN, BK] boxes when B_K_MAJOR (x @ W^T), else [K, N] in [BK, BN];
+        # L: [M, width] in A's boxes, R: like B with width for K; C: [M, N] in [BM, BN] boxes. Persistent: program p
+        # takes tiles p, p + programs, ..., each cdiv(K, BK) + RANK_STEPS steps. Warp-specialised: one warp
+        # (LOAD_REGISTERS registers a thread) issues the TMA loads (_rank_r_loads) up to NUM_BUFFERS steps ahead,
+        # across tiles; the num_warps warps run the MMAs and the stores (_rank_r_mmas).
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        a_ring, b_ring, c_smem, ready = _gemm_buffers(a_desc, b_desc, c_desc, NUM_BUFFERS)
+        empty = ready_barriers(NUM_BUFFERS)  # a slot's MMA has completed: the load warp may refill it
+        gl.warp_specialize([(_rank_r_mmas, (c_desc, a_ring, b_ring, c_smem, ready, empty, M, N, K, RANK_STEPS,
+                                            B_K_MAJOR, GROUP_M, BLOCK_K)),
+                            (_rank_r_loads, (a_desc, b_desc, l_desc, r_desc, a_ring, b_ring, ready, empty, M, N, K,
+                                             RANK_STEPS, B_K_MAJOR, GROUP_M))], [1], [LOAD_REGISTERS])
+
 def _descriptors(a, b, left, r_op, c, b_k_major):
-    # TMA descriptors of A, B, L, R and C for _gemm_rank_r, and B's box and layout (x's, with SHRINK_GRAD)
+    # TMA descriptors of A, B, L, R and C for _gemm_rank_r (and _gemm_dx_and_shrink_grad), and B's box and layout
+    # (x's, there)
     dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     a_box = [BLOCK_M, BLOCK_K]
     b_box = [BLOCK_N, BLOCK_K] if b_k_major else [BLOCK_K, BLOCK_N]
@@ -442,9 +517,8 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     descriptors, _, _ = _descriptors(a, b, left, r_op, c, b_k_major)
     programs = min(sms, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N))
     ran = launch_or_fall_back("_gemm_rank_r", lambda: _gemm_rank_r[(programs,)](
-        *descriptors, None, None, M, N, K, 0, RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K),
-        B_K_MAJOR=b_k_major, SHRINK_GRAD=False, GROUP_ROWS=0, LOW_PIECES=False, ATOMIC=False,
-        NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
+        *descriptors, M, N, K, RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K), B_K_MAJOR=b_k_major,
+        NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=WARPS))
     return c if ran else None
 
 
@@ -480,8 +554,9 @@ def dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sms):
     descriptors, x_box, x_layout = _descriptors(g, weight, left, r_op, dx, False)
     programs = min(sms, parts * triton.cdiv(K, BLOCK_N))
     # one key a variant: the four compile apart, and one that ran must not hide another's first failure
-    ran = launch_or_fall_back(f"_gemm_rank_r+shrink_grad(pieces={pieces}, atomic={atomic})", lambda: _gemm_rank_r[
-        (programs,)](*descriptors, TensorDescriptor.from_tensor(x, x_box, x_layout), da, M, K, N, r, RANK_STEPS=1,
-                     B_K_MAJOR=False, SHRINK_GRAD=True, GROUP_ROWS=padded_rank(r), LOW_PIECES=pieces, ATOMIC=atomic,
-                     NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
+    ran = launch_or_fall_back(f"_gemm_dx_and_shrink_grad(pieces={pieces}, atomic={atomic})",
+                              lambda: _gemm_dx_and_shrink_grad[(programs,)](
+        *descriptors, TensorDescriptor.from_tensor(x, x_box, x_layout), da, M, K, N, r, RANK_STEPS=1,
+        GROUP_ROWS=padded_rank(r), LOW_PIECES=pieces, ATOMIC=atomic, NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M,
+        num_warps=WARPS))
     return (dx, summed(da, atomic)) if ran else None

@@ -50,7 +50,7 @@ from ._bf16_pieces import uses_bf16_pieces
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier, tma, tma_aligned,
                      warpgroup_mma, warpgroup_mma_wait)
 from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, _gemm_buffers, _mma_step,
-                                 _tile_coords, gluon_gemm_ready, rank_r_operands, rank_r_width)
+                                 _tile_coords, _tile_grid, gluon_gemm_ready, rank_r_operands, rank_r_width)
 from ._tiles import MAX_PARTS_BYTES
 
 START = 4  # a contributor's first possible shrink step: by then the last tile's C store has left c_smem
@@ -220,7 +220,7 @@ if gluon is not None:
         # s: [M, rank] fp32, zeroed unless FIXED_ORDER; part: [contributors, M, rank] fp32 (FIXED_ORDER);
         # count: [row blocks] int32 zeroed. Persistent: program p takes tiles p,
         # p + programs, ...; the loads run NUM_BUFFERS - 1 steps ahead of the MMAs, across tiles, as in
-        # _lora_matmul_gluon._gemm_rank_r.
+        # _lora_matmul_gluon._gemm_dx_and_shrink_grad.
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -238,11 +238,7 @@ if gluon is not None:
         # between C's stores c_smem holds lora_A's ring (views of shared memory have power-of-two shapes: 4 slots)
         la_ring = c_smem._reinterpret(dtype, [4, SHRINK_ROWS, BLOCK_K], la_desc.layout)
 
-        blocks_m = gl.cdiv(M, BLOCK_M)
-        blocks_n = gl.cdiv(N, BLOCK_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
-        tile = gl.program_id(0)
-        programs = gl.num_programs(0)
+        blocks_m, blocks_n, k_steps, tile, programs = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         loads = 0
         mmas = 0
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
