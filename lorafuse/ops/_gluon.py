@@ -3,7 +3,9 @@ register layouts (_lora_matmul_gluon.py, _shrink_matmul_gluon.py, _lora_expand_g
 _shrink_backward_gluon.py): its imports, where those kernels may run, and their rings' barriers.
 
 Gluon's API is experimental and has changed between Triton releases; the kernels are written and tested against
-Triton 3.6 (the GPU machines') and use names that 3.9 (this project's CPU pin) still has. Triton's interpreter does
+Triton 3.6 (the GPU machines'). Triton 3.9 (this project's CPU pin) renamed the TMA copies they call
+(tma.async_copy_global_to_shared -> async_load, async_copy_shared_to_global -> async_store): there each Gluon kernel
+fails its first launch and its Triton counterpart runs (launch_or_fall_back, logged once). Triton's interpreter does
 not run them: the CPU tests cover the Triton kernels beside them."""
 import functools
 
@@ -73,7 +75,8 @@ def launch_or_fall_back(kernel: str, launch) -> bool:
 if gluon is not None:
     @gluon.jit
     def ready_barriers(buffers: gl.constexpr):
-        # one mbarrier per ring slot, in shared memory: TMA's loads of the slot arrive on it
+        # one mbarrier per ring slot, in shared memory, with one arrival a phase: TMA's loads of the slot (`ready`), or
+        # the warps that release it (a warp-specialised kernel's `empty`)
         ready = gl.allocate_shared_memory(gl.int64, [buffers, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(buffers):
             mbarrier.init(ready.index(i), count=1)

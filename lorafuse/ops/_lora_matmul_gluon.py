@@ -9,10 +9,11 @@ is one more load of the ring from two more descriptors.
 
 _gemm_rank_r is warp-specialised (gl.warp_specialize, which Triton 3.6 compiles for sm_90 with setmaxnreg): one warp
 issues the TMA loads, across tiles, into the ring slots as the MMA warps release them; the MMA warps wait only for
-their slot's data, keep one MMA in flight and release the slot of the one before. Against the same pipeline run by one set
-of warps (loads issued between the MMAs, each MMA waited for before the next): the same bits, and H200, 8192 rows,
-r = 16, float32 adapters, with the packing launch, x cuBLAS's GEMM alone: 4096 -> 4096 1.034 -> 1.031, 4096 -> 14336
-1.030 -> 1.025, 14336 -> 4096 1.016 -> 1.011, 2048 -> 8192 1.045 -> 1.002 (benchmarks/NOTES_lora_layer.md).
+their slot's data, keep one MMA in flight and release the slot of the one before. Against the same pipeline run by
+one set of warps (loads issued between the MMAs, each MMA waited for before the next): the same bits, and H200, 8192
+rows, r = 16, float32 adapters, with the packing launch, x cuBLAS's GEMM alone: 4096 -> 4096 1.034 -> 1.031,
+4096 -> 14336 1.030 -> 1.025, 14336 -> 4096 1.016 -> 1.011, 2048 -> 8192 1.045 -> 1.002 (a one-off probe,
+benchmarks/NOTES_lora_layer.md; benchmarks/probe_rank_r_gemm.py's `gluon` column times this kernel).
 
 The rank-r operands are packed by one Triton launch (`rank_r_operands`): L = [scale * low | 1] and R = [right; bias]
 in A's dtype. float32 adapters on bf16 activations go as bf16 pieces along K (_bf16_pieces.py): L = [l0 | l1 | l0],
@@ -37,7 +38,7 @@ from ._tiles import MAX_PARTS_BYTES, atomic_partial_sums, lora_in_fp32, padded_r
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 NUM_BUFFERS, GROUP_M, WARPS = 3, 8, 8  # 3 x 48 KiB of operand ring + 64 KiB for C's store: 208 KiB of shared memory
-LOAD_REGISTERS = 40  # _gemm_rank_r's load warp: its loop's indices (24 read the same: H200)
+LOAD_REGISTERS = 40  # _gemm_rank_r's load warp (H200, x cuBLAS, 2048 -> 8192: 1.002; with 24, 1.030)
 
 
 def rank_r_width(r: int, pieces: bool, bias_columns: int, all_low_pieces: bool = False) -> int:
@@ -415,7 +416,6 @@ if gluon is not None:
             tma.async_copy_shared_to_global(c_desc, [store_m, store_n], c_smem)
         tma.store_wait(pendings=0)
 
-
     @gluon.jit
     def _rank_r_loads(a_desc, b_desc, l_desc, r_desc, a_ring, b_ring, ready, empty, M, N, K,
                       RANK_STEPS: gl.constexpr, B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr):
@@ -437,12 +437,13 @@ if gluon is not None:
 
     @gluon.jit
     def _rank_r_mmas(c_desc, a_ring, b_ring, c_smem, ready, empty, M, N, K, RANK_STEPS: gl.constexpr,
-                     B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_K: gl.constexpr):
+                     B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr):
         # _gemm_rank_r's MMA warps: each step's MMA issued as soon as its slot is loaded, one in flight; the slot of
         # the one before is released once it completes. Then the tile's C through c_smem, stored by TMA while the
         # next tile's MMAs run.
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = a_ring.type.shape[2]
         buffers: gl.constexpr = a_ring.type.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                              instr_shape=[16, BLOCK_N, 16])
@@ -481,13 +482,13 @@ if gluon is not None:
         # takes tiles p, p + programs, ..., each cdiv(K, BK) + RANK_STEPS steps. Warp-specialised: one warp
         # (LOAD_REGISTERS registers a thread) issues the TMA loads (_rank_r_loads) up to NUM_BUFFERS steps ahead,
         # across tiles; the num_warps warps run the MMAs and the stores (_rank_r_mmas).
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         a_ring, b_ring, c_smem, ready = _gemm_buffers(a_desc, b_desc, c_desc, NUM_BUFFERS)
         empty = ready_barriers(NUM_BUFFERS)  # a slot's MMA has completed: the load warp may refill it
         gl.warp_specialize([(_rank_r_mmas, (c_desc, a_ring, b_ring, c_smem, ready, empty, M, N, K, RANK_STEPS,
-                                            B_K_MAJOR, GROUP_M, BLOCK_K)),
+                                            B_K_MAJOR, GROUP_M)),
                             (_rank_r_loads, (a_desc, b_desc, l_desc, r_desc, a_ring, b_ring, ready, empty, M, N, K,
                                              RANK_STEPS, B_K_MAJOR, GROUP_M))], [1], [LOAD_REGISTERS])
+
 
 def _descriptors(a, b, left, r_op, c, b_k_major):
     # TMA descriptors of A, B, L, R and C for _gemm_rank_r (and _gemm_dx_and_shrink_grad), and B's box and layout
@@ -516,9 +517,11 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     descriptors, _, _ = _descriptors(a, b, left, r_op, c, b_k_major)
     programs = min(sms, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N))
-    ran = launch_or_fall_back("_gemm_rank_r", lambda: _gemm_rank_r[(programs,)](
-        *descriptors, M, N, K, RANK_STEPS=triton.cdiv(left.shape[1], BLOCK_K), B_K_MAJOR=b_k_major,
-        NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=WARPS))
+    rank_steps = triton.cdiv(left.shape[1], BLOCK_K)
+    # one key a compiled variant: one that ran must not hide another's first failure
+    ran = launch_or_fall_back(f"_gemm_rank_r(b_k_major={b_k_major}, rank_steps={rank_steps})", lambda: _gemm_rank_r[
+        (programs,)](*descriptors, M, N, K, RANK_STEPS=rank_steps, B_K_MAJOR=b_k_major, NUM_BUFFERS=NUM_BUFFERS,
+                     GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=WARPS))
     return c if ran else None
 
 

@@ -10,8 +10,9 @@ registers at 128x256 tiles (1.6-6.7x cuBLAS on an H200); drawn in the persistent
 its K-loop it cost that GEMM 6-8 %, as much as the cuBLAS route's masked pre-write saves. That case
 takes the cuBLAS route.
 On Hopper, without an activation or Z, the TMA route runs the Gluon kernel of _lora_matmul_gluon.py instead of
-_lora_matmul_tma: the rank-r term as one more K-step of a hand-written pipeline (1.01-1.05x cuBLAS's GEMM alone, the
-Triton kernel 1.02-1.08x; benchmarks/results/rank_r_gemm.csv).
+_lora_matmul_tma: the rank-r term as one more K-step of a hand-written, warp-specialised pipeline (1.00-1.03x cuBLAS's
+GEMM alone on an H200 since warp specialization, 1.01-1.05x before; the Triton kernel 1.02-1.08x;
+benchmarks/results/rank_r_gemm.csv, benchmarks/NOTES_lora_layer.md).
 """
 import torch
 import triton

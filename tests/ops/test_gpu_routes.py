@@ -241,7 +241,8 @@ def test_triton_tma_gemm_at_its_default_tiles(r, adapter_dtype, forward, monkeyp
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
-@pytest.mark.parametrize("m, k, n", [(300, 520, 776), (4096, 1000, 8192)], ids=["one_wave", "many_tiles"])
+@pytest.mark.parametrize("m, k, n", [(300, 520, 776), (4096, 1000, 8192), (4096, 56, 8192)],
+                         ids=["one_wave", "many_tiles", "one_k_step"])
 @pytest.mark.parametrize("r", [1, 5, 16, 64])
 @pytest.mark.parametrize("dtype, adapter_dtype, math", [(torch.bfloat16, torch.float32, "exact"),
                                                         (torch.bfloat16, torch.float32, "fast"),
@@ -252,8 +253,9 @@ def test_triton_tma_gemm_at_its_default_tiles(r, adapter_dtype, forward, monkeyp
 @pytest.mark.parametrize("forward", [True, False], ids=["x_WT", "g_W"])
 def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, math, bias_dtype, forward, monkeypatch):
     # Odd edges: rows, K and columns not multiples of the 128 x 256 x 64 tiles. "many_tiles": each program walks
-    # several tiles, and the next tile's loads overlap. "fast": float32 adapters rounded to bf16
-    # (LORAFUSE_ADAPTER_MATH=fast), held to PyTorch's bf16 computation like bf16 ones.
+    # several tiles, and the next tile's loads overlap. "one_k_step": K within one step, so that the load warp runs a
+    # whole tile ahead of the MMA warps (the ring holds all of a tile's steps). "fast": float32 adapters rounded to
+    # bf16 (LORAFUSE_ADAPTER_MATH=fast), held to PyTorch's bf16 computation like bf16 ones.
     monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
     ran = record_launches(monkeypatch, lora_matmul_module, "lora_matmul_gluon", deterministic=False)
     check_tma_gemm(tma_gemm_operands(m, k, n, r, dtype, adapter_dtype, bias_dtype, forward), dtype)
