@@ -21,7 +21,7 @@ once, in x's dtype, to be masked and stored.
 import torch
 import triton
 
-from ._bf16_pieces import bf16_pieces
+from ._bf16_pieces import bf16_pieces, uses_bf16_pieces
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, runs_gluon_hopper, tma, tma_aligned, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import padded_rank, partial_sums, split_in_blocks, store_partial, summed
@@ -162,13 +162,14 @@ if gluon is not None:
         store_partial(da_part_ptr, split, rank * K, offsets, drop_scale * da, mask, ATOMIC)
 
 
-def shrink_backward_gluon(ds, x, A, on_pieces, dropout_p, seed, dx_out, sms):
+def shrink_backward_gluon(ds, x, A, dropout_p, seed, dx_out, sms):
     """dA of lora_shrink_backward with dropout, writing dx_out's masked term, through _shrink_bwd_dropout
     (gluon_shrink_backward_ready holds); None if the kernel failed to run the first time
-    (_gluon.launch_or_fall_back). on_pieces: A (float32) runs as its three bf16 pieces, else rounded to x's dtype."""
+    (_gluon.launch_or_fall_back). float32 A on bf16 x runs as its three bf16 pieces, else rounded to x's dtype."""
     # ds: [M, r] fp32, x: [M, K] 16-bit contiguous, A: [r, K], dx_out: [M, K] like x
     M, K = x.shape
     r = A.shape[0]
+    on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     R = padded_rank(r)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     k_blocks = triton.cdiv(K, BLOCK_K)

@@ -171,7 +171,7 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     if config is None and gluon_shrink_backward_ready(x, A, dropout_p, dx_out, on_pieces, fp32):
-        dA = shrink_backward_gluon(ds, x, A, on_pieces, dropout_p, seed, dx_out, sm_count(x.device))
+        dA = shrink_backward_gluon(ds, x, A, dropout_p, seed, dx_out, sm_count(x.device))
         if dA is not None:
             return dA
     pieces_of_a = on_pieces and dx_out is not None  # dx's product takes A's pieces; dA's takes ds's
