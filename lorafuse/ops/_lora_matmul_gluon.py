@@ -215,6 +215,15 @@ if gluon is not None:
         return gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), gl.cdiv(K, BLOCK_K), gl.program_id(0), gl.num_programs(0)
 
     @gluon.jit
+    def _store_c(c, c_smem, c_desc, off_m, off_n):
+        # A tile's C (in C's dtype) through c_smem, stored by TMA while the next tile's MMAs run, once the tile
+        # before's store has left c_smem
+        tma.store_wait(pendings=0)
+        c_smem.store(c)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+    @gluon.jit
     def _load_step(loads, step, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready, a_ring, b_ring,
                    B_K_MAJOR: gl.constexpr, pred):
         # TMA loads of K-step `step` of the tile at (off_m, off_n) into ring slot loads % buffers; the steps past
@@ -409,11 +418,7 @@ if gluon is not None:
             loads = _load_step(loads, NUM_BUFFERS - 2, k_steps, off_m, off_n, a_desc, b_desc, l_desc, r_desc, ready,
                                a_ring, b_ring, B_K_MAJOR, more)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            c = acc.to(dtype)
-            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
-            c_smem.store(c)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [store_m, store_n], c_smem)
+            _store_c(acc.to(dtype), c_smem, c_desc, store_m, store_n)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -466,10 +471,7 @@ if gluon is not None:
                 mmas += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((mmas + buffers - 1) % buffers))
-            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+            _store_c(acc.to(c_desc.dtype), c_smem, c_desc, pid_m * BLOCK_M, pid_n * BLOCK_N)
             tile += programs
         tma.store_wait(pendings=0)
 

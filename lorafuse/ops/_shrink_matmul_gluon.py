@@ -50,7 +50,7 @@ from ._bf16_pieces import uses_bf16_pieces
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier, tma, tma_aligned,
                      warpgroup_mma, warpgroup_mma_wait)
 from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, _gemm_buffers, _mma_step,
-                                 _tile_coords, _tile_grid, gluon_gemm_ready, rank_r_operands, rank_r_width)
+                                 _store_c, _tile_coords, _tile_grid, gluon_gemm_ready, rank_r_operands, rank_r_width)
 from ._tiles import MAX_PARTS_BYTES
 
 START = 4  # a contributor's first possible shrink step: by then the last tile's C store has left c_smem
@@ -321,10 +321,7 @@ if gluon is not None:
                                b_desc, la_desc, r_desc, ready, a_ring, b_ring, la_ring, START,
                                nxt < blocks_m * blocks_n)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
-            c_smem.store(acc.to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+            _store_c(acc.to(dtype), c_smem, c_desc, off_m, off_n)
             tile = nxt
             pid_m, pid_n, rot, per, first = n_m, n_n, n_rot, n_per, n_first
         tma.store_wait(pendings=0)
