@@ -49,8 +49,8 @@ import triton
 from ._bf16_pieces import uses_bf16_pieces
 from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier, tma, tma_aligned,
                      warpgroup_mma, warpgroup_mma_wait)
-from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, _gemm_buffers, _mma_step,
-                                 _store_c, _tile_coords, _tile_grid, gluon_gemm_ready, rank_r_operands, rank_r_width)
+from ._lora_matmul_gluon import (BLOCK_K, BLOCK_M, BLOCK_N, GROUP_M, NUM_BUFFERS, WARPS, gluon_gemm_ready,
+                                 rank_r_operands, rank_r_width)
 from ._tiles import MAX_PARTS_BYTES
 
 START = 4  # a contributor's first possible shrink step: by then the last tile's C store has left c_smem
@@ -102,7 +102,9 @@ def shrink_matmul_ready(x, weight, lora_A, lora_B, bias) -> bool:
             and _shrink_rows(r, pieces) <= MAX_SHRINK_ROWS)
 
 
-if gluon is not None:
+if gluon is not None:  # a Triton without Gluon (before 3.5) has none of these: the Triton kernels run
+    from ._lora_matmul_gluon import _gemm_buffers, _mma_step, _store_c, _tile_coords, _tile_grid
+
     @gluon.jit
     def _plan(tile, blocks_m, blocks_n, k_steps, contributors, GROUP: gl.constexpr, START: gl.constexpr):
         # tile -> (row block, column block, K rotation, shrink steps, first shrink step). Column blocks below

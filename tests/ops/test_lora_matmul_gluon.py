@@ -1,6 +1,10 @@
 """The rank-r operands that lora_matmul's Gluon GEMM (Hopper) reads: against their reference column for column, and
 L @ R against the exact rank-r term plus bias. The GEMM itself (Gluon: TMA and warpgroup MMAs, which Triton's
 interpreter does not run) is tested in test_gpu_routes.py."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -138,6 +142,28 @@ def test_a_gluon_kernel_that_fails_to_launch_is_turned_off(monkeypatch, caplog):
     assert _gluon.launch_or_fall_back("kernel_b", lambda: launches.append("ok")) is True
     with pytest.raises(RuntimeError):
         _gluon.launch_or_fall_back("kernel_b", failing)
+
+
+def test_the_layer_imports_and_runs_on_a_triton_without_gluon():
+    # Triton before 3.5 has no Gluon (torch 2.8 ships 3.4): `from triton.experimental import gluon` fails, the Gluon
+    # kernels are not defined, and the layer must still import and run its Triton kernels. A fresh interpreter with
+    # that import made to fail imports the op (lorafuse 3182e07 did not: a Gluon-only helper was imported
+    # unconditionally) and runs a small layer against its reference.
+    code = """
+import sys
+sys.modules["triton.experimental.gluon"] = None  # the import of Gluon fails
+import torch
+from lorafuse.ops import _gluon, lora_linear, lora_linear_reference
+assert _gluon.gluon is None and _gluon.ready_barriers is None
+x, w, a, b = torch.randn(7, 24), torch.randn(40, 24), torch.randn(4, 24), torch.randn(40, 4)
+got = lora_linear(x, w, None, a, b, 0.5)
+want = lora_linear_reference(x, w, None, a, b, 0.5)
+assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+print("ran")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ran"), done.stderr[-2000:]
 
 
 def test_tma_aligned_copies_only_a_view_of_an_odd_offset():
