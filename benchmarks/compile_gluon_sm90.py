@@ -1,15 +1,17 @@
 """Compile every Gluon kernel of lorafuse/ops for an sm_90 GPU on a machine without one, and print what ptxas says of
-each: registers, spills, and whether it serialised the warpgroup MMAs (C7512, C7514). A serialised kernel runs, and
-is correct, but each MMA then waits for the one before: the twenty-first session's warp-specialised dx GEMM read
-1.32x cuBLAS that way against 1.08 (benchmarks/NOTES_lora_layer.md).
+each (and of the Triton kernels their launchers run): registers, spills, and whether it serialised the warpgroup MMAs
+(C7512, C7514). A serialised kernel runs, and is correct, but each MMA then waits for the one before: the
+twenty-first session's warp-specialised dx GEMM read 1.32x cuBLAS that way against 1.08
+(benchmarks/NOTES_lora_layer.md).
 
     python benchmarks/compile_gluon_sm90.py [--out DIR]
 
 Needs the GPU machines' Triton (3.6: its Gluon API is the one the kernels are written against) beside a CPU torch;
 here, for instance, `python -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0`. A stand-in
 driver answers "sm_90" and each launcher's kernel launch becomes a compilation (`warmup`); the launchers run on CPU
-tensors of the layer bench's 8192 x 4096 -> 4096 shape, r = 16, float32 and bf16 adapters. PTX, cubin and SASS of
-each compiled variant go to DIR (default /tmp/gluon_sm90).
+tensors of the layer bench's 8192 x 4096 -> 4096 shape, r = 16, float32 and bf16 adapters: the variants the layer's
+default routes compile there (not, for instance, the dx GEMM's partial sums of deterministic mode, nor a bias). PTX,
+cubin and SASS of each go to DIR (default /tmp/gluon_sm90), emptied of an earlier run's first.
 """
 import argparse
 import os
@@ -109,11 +111,15 @@ def report(compiled: list, out: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp/gluon_sm90")
-    os.makedirs(parser.parse_args().out, exist_ok=True)
+    out = parser.parse_args().out
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(out):  # files are named by kernel hash: a run before must not mix into this one's
+        if name.endswith((".ptx", ".cubin", ".sass")):
+            os.remove(os.path.join(out, name))
     triton.runtime.driver.set_active(Sm90Driver())
     compiled = []
     launch_every_kernel(*compile_launches(compiled))
-    report(compiled, parser.parse_args().out)
+    report(compiled, out)
 
 
 if __name__ == "__main__":

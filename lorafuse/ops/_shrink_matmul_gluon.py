@@ -102,7 +102,7 @@ def shrink_matmul_ready(x, weight, lora_A, lora_B, bias) -> bool:
             and _shrink_rows(r, pieces) <= MAX_SHRINK_ROWS)
 
 
-if gluon is not None:  # a Triton without Gluon (before 3.5) has none of these: the Triton kernels run
+if gluon is not None:  # no Gluon Hopper API (Triton before 3.5), none of these: the Triton kernels run
     from ._lora_matmul_gluon import _gemm_buffers, _mma_step, _store_c, _tile_coords, _tile_grid
 
     @gluon.jit

@@ -4,6 +4,7 @@ interpreter does not run) is tested in test_gpu_routes.py."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,26 +145,38 @@ def test_a_gluon_kernel_that_fails_to_launch_is_turned_off(monkeypatch, caplog):
         _gluon.launch_or_fall_back("kernel_b", failing)
 
 
-def test_the_layer_imports_and_runs_on_a_triton_without_gluon():
-    # Triton before 3.5 has no Gluon (torch 2.8 ships 3.4): `from triton.experimental import gluon` fails, the Gluon
+def test_the_layer_imports_and_trains_on_a_triton_without_gluons_hopper_api():
+    # Triton 3.4 (torch 2.8's) has Gluon but not its Hopper warpgroup MMA: the import in _gluon fails, the Gluon
     # kernels are not defined, and the layer must still import and run its Triton kernels. A fresh interpreter with
-    # that import made to fail imports the op (lorafuse 3182e07 did not: a Gluon-only helper was imported
-    # unconditionally) and runs a small layer against its reference.
+    # that name removed imports the op (lorafuse 3182e07 did not: a Gluon-only helper was imported unconditionally),
+    # and a training step runs Triton's kernels (counted) to the reference's output and gradients.
     code = """
-import sys
-sys.modules["triton.experimental.gluon"] = None  # the import of Gluon fails
+import triton.experimental.gluon.language.nvidia.hopper as hopper
+del hopper.warpgroup_mma  # as on Triton 3.4
 import torch
+import triton.runtime.interpreter as interpreter
 from lorafuse.ops import _gluon, lora_linear, lora_linear_reference
 assert _gluon.gluon is None and _gluon.ready_barriers is None
-x, w, a, b = torch.randn(7, 24), torch.randn(40, 24), torch.randn(4, 24), torch.randn(40, 4)
-got = lora_linear(x, w, None, a, b, 0.5)
-want = lora_linear_reference(x, w, None, a, b, 0.5)
-assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
-print("ran")
+launched = []
+run = interpreter.InterpretedFunction.run
+interpreter.InterpretedFunction.run = lambda self, *a, **kw: launched.append(self.fn.__name__) or run(self, *a, **kw)
+inputs = [torch.randn(40, 24), torch.randn(32, 24), torch.randn(4, 24), torch.randn(32, 4)]
+results = []
+for op in (lora_linear, lora_linear_reference):
+    x, w, a, b = [t.clone().requires_grad_(i != 1) for i, t in enumerate(inputs)]
+    y = op(x, w, None, a, b, 0.5)
+    y.backward(torch.ones_like(y))
+    results.append([y, x.grad, a.grad, b.grad])
+for got, want in zip(*results):
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+assert len(launched) >= 2, launched
+print("ran", sorted(set(launched)))
 """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ran"), done.stderr[-2000:]
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert done.returncode == 0 and "ran" in done.stdout, done.stdout[-500:] + done.stderr[-2000:]
 
 
 def test_tma_aligned_copies_only_a_view_of_an_odd_offset():
