@@ -4,8 +4,9 @@ _shrink_backward_gluon.py): its imports, where those kernels may run, and their 
 
 Gluon's API is experimental and has changed between Triton releases; the kernels are written and tested against
 Triton 3.6 (the GPU machines'). Triton 3.9 (this project's CPU pin) renamed the TMA copies they call
-(tma.async_copy_global_to_shared -> async_load, async_copy_shared_to_global -> async_store): there each Gluon kernel
-fails its first launch and its Triton counterpart runs (launch_or_fall_back, logged once). Triton's interpreter does
+(tma.async_copy_global_to_shared -> async_load, async_copy_shared_to_global -> async_store) and dropped
+shared_memory_descriptor._reinterpret: there each Gluon kernel fails its first launch and its Triton counterpart runs
+(launch_or_fall_back, logged once). Triton's interpreter does
 not run them: the CPU tests cover the Triton kernels beside them."""
 import functools
 

@@ -358,9 +358,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm_dx_and_shrink_grad(a_desc, b_desc, l_desc, r_desc, c_desc, x_desc, grad_ptr, M, N, K, rank,
-                                 RANK_STEPS: gl.constexpr, GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr,
-                                 ATOMIC: gl.constexpr, NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr,
-                                 num_warps: gl.constexpr):
+                                 GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr, ATOMIC: gl.constexpr,
+                                 NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
         # A: [M, K] in [BM, BK] boxes; B: [K, N] in [BK, BN]; L: [M, width] in A's boxes, R: like B with width for
         # K; C: [M, N] in [BM, BN] boxes. Persistent: program p takes tiles p, p + programs, ... Each tile runs
         # cdiv(K, BK) + RANK_STEPS steps; the loads of a tile's first NUM_BUFFERS - 1 steps go out while the tile
@@ -372,6 +371,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         B_K_MAJOR: gl.constexpr = False
+        RANK_STEPS: gl.constexpr = 1  # L's columns fit one K-step (shrink_grad_gemm_ready)
         dtype: gl.constexpr = a_desc.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
@@ -561,7 +561,6 @@ def dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sms):
     # one key a variant: the four compile apart, and one that ran must not hide another's first failure
     ran = launch_or_fall_back(f"_gemm_dx_and_shrink_grad(pieces={pieces}, atomic={atomic})",
                               lambda: _gemm_dx_and_shrink_grad[(programs,)](
-        *descriptors, TensorDescriptor.from_tensor(x, x_box, x_layout), da, M, K, N, r, RANK_STEPS=1,
-        GROUP_ROWS=padded_rank(r), LOW_PIECES=pieces, ATOMIC=atomic, NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M,
-        num_warps=WARPS))
+        *descriptors, TensorDescriptor.from_tensor(x, x_box, x_layout), da, M, K, N, r, GROUP_ROWS=padded_rank(r),
+        LOW_PIECES=pieces, ATOMIC=atomic, NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M, num_warps=WARPS))
     return (dx, summed(da, atomic)) if ran else None
