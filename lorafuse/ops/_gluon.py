@@ -6,8 +6,8 @@ Gluon's API is experimental and has changed between Triton releases; the kernels
 Triton 3.6 (the GPU machines'). Triton 3.9 (this project's CPU pin) renamed the TMA copies they call
 (tma.async_copy_global_to_shared -> async_load, async_copy_shared_to_global -> async_store) and dropped
 shared_memory_descriptor._reinterpret: there each Gluon kernel fails its first launch and its Triton counterpart runs
-(launch_or_fall_back, logged once). Triton's interpreter does
-not run them: the CPU tests cover the Triton kernels beside them."""
+(launch_or_fall_back, logged once). Triton's interpreter does not run them: the CPU tests cover the Triton kernels
+beside them."""
 import functools
 
 import torch

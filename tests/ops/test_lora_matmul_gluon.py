@@ -168,8 +168,7 @@ kernels = interpreter.InterpretedFunction if device == "cpu" else jit.JITFunctio
 rows, dtype = (40, torch.float32) if device == "cpu" else (300, torch.bfloat16)  # past the few-row route
 launched = []
 run = kernels.run
-kernels.run = lambda self, *a, **kw: launched.append(self.fn.__name__ if device == "cpu" else self.__name__) or \\
-    run(self, *a, **kw)
+kernels.run = lambda self, *a, **kw: launched.append(self.fn.__name__) or run(self, *a, **kw)
 inputs = [torch.randn(rows, 24, device=device), torch.randn(32, 24, device=device) / 5,
           torch.randn(4, 24, device=device) / 5, torch.randn(32, 4, device=device) / 2]
 results = []
