@@ -54,18 +54,20 @@ def compile_launches(compiled: list):
 
     jit.JITFunction.run = compile_only
     from lorafuse.ops import (_gluon, _lora_expand_gluon, _lora_matmul_gluon, _shrink_backward_gluon,
-                              _shrink_matmul_gluon)
+                              _shrink_grad_beside_gluon, _shrink_matmul_gluon)
 
     def raise_on_failure(kernel, run):
         run()
         return True
 
-    for module in (_gluon, _lora_expand_gluon, _lora_matmul_gluon, _shrink_backward_gluon, _shrink_matmul_gluon):
+    modules = (_lora_expand_gluon, _lora_matmul_gluon, _shrink_backward_gluon, _shrink_grad_beside_gluon,
+               _shrink_matmul_gluon)
+    for module in (_gluon,) + modules:
         module.launch_or_fall_back = raise_on_failure
-    return _lora_expand_gluon, _lora_matmul_gluon, _shrink_backward_gluon, _shrink_matmul_gluon
+    return modules
 
 
-def launch_every_kernel(expand, matmul, shrink_backward, shrink_matmul, sms=132):
+def launch_every_kernel(expand, matmul, shrink_backward, shrink_grad_beside, shrink_matmul, sms=132):
     # each launcher on CPU tensors: what it launches is compiled, not run
     M, K, N, r = 8192, 4096, 4096, 16
     x, weight = torch.randn(M, K, dtype=torch.bfloat16), torch.randn(N, K, dtype=torch.bfloat16)
@@ -76,6 +78,11 @@ def launch_every_kernel(expand, matmul, shrink_backward, shrink_matmul, sms=132)
         A, B = torch.randn(r, K, dtype=adapter_dtype), torch.randn(N, r, dtype=adapter_dtype)
         matmul.lora_matmul_gluon(x, weight.t(), s, B.t(), 2.0, None, pieces, sms)
         matmul.dx_and_shrink_grad_gluon(dy, weight, ds, A, x, pieces, sms)
+        # dx_beside_shrink_grad's two launches (its checks need a Hopper: the launchers are called past them)
+        left = torch.empty(M, matmul.rank_r_width(r, pieces, 0, all_low_pieces=pieces), dtype=torch.bfloat16)
+        shrink_grad_beside._launch_stream(x, left, torch.empty(r, K), r, pieces, sms - 128)
+        matmul.gemm_rank_r_packed(dy, weight, left, torch.empty(left.shape[1], K, dtype=torch.bfloat16),
+                                  torch.empty_like(x), 128)
         for fixed_order in (False, True):
             shrink_matmul.shrink_matmul_gluon(x, weight, A, B, 2.0, None, sms, fixed_order=fixed_order)
         if pieces:

@@ -2,7 +2,9 @@
 ops/_lora_matmul_gluon.py's _gemm_dx_and_shrink_grad), against the route it replaces (lora_shrink_backward's pass
 over x, then lora_matmul's Gluon GEMM with the rank-r K-step) and cuBLAS's g @ W alone. `fused` adds the row blocks'
 parts of dA with float32 atomics; under deterministic algorithms (`_fixed_order`: recorded under
-torch.use_deterministic_algorithms(True)) both routes store their parts for a sum in order.
+torch.use_deterministic_algorithms(True)) both routes store their parts for a sum in order. `beside`: the route the
+layer takes where the dx GEMM's last wave leaves SMs free (ops/_shrink_grad_beside_gluon.py): the GEMM on fewer
+programs in as many waves, dA streamed on the free SMs at the same time (no atomics: the same bits every run).
 
     python benchmarks/probe_shrink_grad_gemm.py [--rounds 30] [--out DIR]
 
@@ -23,6 +25,7 @@ from benchmarks.common import adapter_probe, capture, probe_args, time_alternati
 
 from lorafuse.ops._bf16_pieces import uses_bf16_pieces  # noqa: E402
 from lorafuse.ops._lora_matmul_gluon import dx_and_shrink_grad_gluon, shrink_grad_gemm_ready  # noqa: E402
+from lorafuse.ops._shrink_grad_beside_gluon import dx_beside_shrink_grad  # noqa: E402
 from lorafuse.ops._tiles import sm_count  # noqa: E402
 from lorafuse.ops.lora_matmul import lora_matmul  # noqa: E402
 from lorafuse.ops.lora_shrink import lora_shrink_backward  # noqa: E402
@@ -39,6 +42,10 @@ def separate(g, weight, ds, lora_A, x):
 def fused(g, weight, ds, lora_A, x):
     return dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, uses_bf16_pieces(x.dtype, lora_A.dtype),
                                     sm_count(x.device))
+
+
+def beside(g, weight, ds, lora_A, x):
+    return dx_beside_shrink_grad(g, weight, ds, lora_A, x, uses_bf16_pieces(x.dtype, lora_A.dtype))
 
 
 def separate_fixed_order(g, weight, ds, lora_A, x):
@@ -78,7 +85,7 @@ def probe_case(k_in, n_out, adapter_dtype, rounds):
     dx_exact = gs[0].double() @ weight.double() + ds.double() @ lora_A.double()
     dA_exact = ds.double().t() @ xs[0].double()
     errors, dx_errors = {}, {}
-    providers = {"separate": separate, "fused": fused, "separate_fixed_order": separate_fixed_order,
+    providers = {"separate": separate, "fused": fused, "beside": beside, "separate_fixed_order": separate_fixed_order,
                  "fused_fixed_order": fused_fixed_order}
     for name, fn in providers.items():
         dx, dA = fn(gs[0], weight, ds, lora_A, xs[0])
@@ -96,11 +103,12 @@ def main():
                           metric="dA_rel_err_fp64")
     print("\nratio to cuBLAS's g @ W alone (graph-replayed, alternating); error: dA's largest relative error to "
           "float64")
-    print(f"{'shape':42s} {'cuBLAS us':>9s} {'separate':>9s} {'fused':>9s} {'sep fixed':>9s} {'fus fixed':>9s} "
-          f"{'error':>8s}")
+    print(f"{'shape':42s} {'cuBLAS us':>9s} {'separate':>9s} {'fused':>9s} {'beside':>9s} {'sep fixed':>9s} "
+          f"{'fus fixed':>9s} {'error':>8s}")
     for shape, floor, ratios, errors in table:
         print(f"{shape:42s} {floor * 1000:9.1f} {ratios['separate']:9.3f} {ratios['fused']:9.3f} "
-              f"{ratios['separate_fixed_order']:9.3f} {ratios['fused_fixed_order']:9.3f} {max(errors.values()):8.1e}")
+              f"{ratios['beside']:9.3f} {ratios['separate_fixed_order']:9.3f} {ratios['fused_fixed_order']:9.3f} "
+              f"{max(errors.values()):8.1e}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Gluon, Triton's lower-level language, for the Hopper kernels that need a hand-written pipeline or their own
 register layouts (_lora_matmul_gluon.py, _shrink_matmul_gluon.py, _lora_expand_gluon.py,
-_shrink_backward_gluon.py): its imports, where those kernels may run, and their rings' barriers.
+_shrink_backward_gluon.py, _shrink_grad_beside_gluon.py): its imports, where those kernels may run, and their rings' barriers.
 
 Gluon's API is experimental and has changed between Triton releases; the kernels are written and tested against
 Triton 3.6 (the GPU machines'). Triton 3.9 (this project's CPU pin) renamed the TMA copies they call

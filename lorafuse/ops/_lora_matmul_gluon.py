@@ -512,19 +512,26 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     """C = a @ b + scale * (low @ right) + bias through _gemm_rank_r (gluon_gemm_ready holds); None if the kernel
     failed to run the first time (_gluon.launch_or_fall_back)."""
     # a: [M, K], b: [K, N] (W^T view: K-major, or contiguous), low: [M, r] fp32, right: [r, N] view, bias: [N] or None
+    M, N = a.shape[0], b.shape[1]
+    left, r_op, _ = rank_r_operands(low, right, scale, bias, a.dtype, pieces, b.stride(0) == 1)
+    c = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    programs = min(sms, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N))
+    return c if gemm_rank_r_packed(a, b, left, r_op, c, programs) else None
+
+
+def gemm_rank_r_packed(a, b, left, r_op, c, programs) -> bool:
+    """c = a @ b + left @ r_op through _gemm_rank_r on `programs` programs (rank_r_operands packed L and R); whether
+    the kernel ran (_gluon.launch_or_fall_back)."""
+    # a: [M, K], b: [K, N] (K-major or contiguous), left: [M, W], r_op: [N, W] if b is K-major else [W, N], c: [M, N]
     M, K = a.shape
     N = b.shape[1]
     b_k_major = b.stride(0) == 1
-    left, r_op, _ = rank_r_operands(low, right, scale, bias, a.dtype, pieces, b_k_major)
-    c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     descriptors, _, _ = _descriptors(a, b, left, r_op, c, b_k_major)
-    programs = min(sms, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N))
     rank_steps = triton.cdiv(left.shape[1], BLOCK_K)
     # one key a compiled variant: one that ran must not hide another's first failure
-    ran = launch_or_fall_back(f"_gemm_rank_r(b_k_major={b_k_major}, rank_steps={rank_steps})", lambda: _gemm_rank_r[
+    return launch_or_fall_back(f"_gemm_rank_r(b_k_major={b_k_major}, rank_steps={rank_steps})", lambda: _gemm_rank_r[
         (programs,)](*descriptors, M, N, K, RANK_STEPS=rank_steps, B_K_MAJOR=b_k_major, NUM_BUFFERS=NUM_BUFFERS,
                      GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=WARPS))
-    return c if ran else None
 
 
 def shrink_grad_gemm_ready(g, weight, lora_A, x, pieces) -> bool:

@@ -25,6 +25,7 @@ from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
 from ._bf16_pieces import uses_bf16_pieces
 from ._lora_matmul_gluon import dx_and_shrink_grad_gluon, shrink_grad_gemm_ready
+from ._shrink_grad_beside_gluon import dx_beside_shrink_grad
 from ._shrink_matmul_gluon import SHRINK_IN_GEMM_UP_TO_N, shrink_matmul_gluon, shrink_matmul_ready
 from ._tiles import adapter_math, lora_in_fp32, padded_rank, sm_count
 from .activation import ACTIVATIONS, activation_id, activation_reference
@@ -156,10 +157,15 @@ class _LoraLinear(torch.autograd.Function):
 
 
 def _dx_and_shrink_grad(g, weight, ds, lora_A, x):
-    """(dx, dA) without dropout: dx = g W + ds A and dA = ds^T x. On Hopper one Gluon GEMM makes both, dA from two
-    more steps a dx tile, and the pass over x that dA took is gone (_lora_matmul_gluon.dx_and_shrink_grad_gluon)."""
+    """(dx, dA) without dropout: dx = g W + ds A and dA = ds^T x. On Hopper dx's Gluon GEMM runs on fewer SMs in the
+    same waves while dA streams on the SMs left free (_shrink_grad_beside_gluon.py); where none are, one Gluon GEMM
+    makes both, dA from two more steps a dx tile (_lora_matmul_gluon.dx_and_shrink_grad_gluon)."""
     # g: [M, N], weight: [N, K], ds: [M, r] fp32, lora_A: [r, K], x: [M, K]
     pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
+    if tma_ready(g, weight):
+        beside = dx_beside_shrink_grad(g, weight, ds, lora_A, x, pieces)
+        if beside is not None:
+            return beside
     if tma_ready(g, weight) and shrink_grad_gemm_ready(g, weight, lora_A, x, pieces):
         fused = dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sm_count(x.device))
         if fused is not None:

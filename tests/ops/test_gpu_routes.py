@@ -24,10 +24,12 @@ import importlib
 import pytest
 import torch
 
+from benchmarks.common import capture
 from lorafuse.ops import lora_linear, lora_linear_reference
 from lorafuse.ops._bf16_pieces import uses_bf16_pieces
-from lorafuse.ops._lora_matmul_gluon import dx_and_shrink_grad_gluon, rank_r_width, shrink_grad_gemm_ready
-from lorafuse.ops._tiles import sm_count
+from lorafuse.ops._lora_matmul_gluon import dx_and_shrink_grad_gluon, shrink_grad_gemm_ready
+from lorafuse.ops._shrink_grad_beside_gluon import dx_beside_shrink_grad
+from lorafuse.ops._tiles import padded_rank, sm_count
 from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
 from lorafuse.ops.dropout import keep_mask_reference, keep_scale
 from lorafuse.ops.lora_expand import lora_expand_backward
@@ -111,13 +113,28 @@ def test_dx_through_the_tma_gemm_at_its_default_tiles(r, adapter_dtype, determin
     monkeypatch.setattr(lora_linear_module, "lora_matmul",
                         lambda *a, **kw: tma_calls.append(kw.get("tma")) or real(*a, **kw))
     fused = record_launches(monkeypatch, lora_linear_module, "dx_and_shrink_grad_gluon", deterministic)
+    beside = record_launches(monkeypatch, lora_linear_module, "dx_beside_shrink_grad", deterministic)
     check((m, k), n, r, torch.bfloat16, "auto", adapter_dtype=adapter_dtype)
     pieces = adapter_dtype == torch.float32
-    on_hopper = torch.cuda.get_device_capability()[0] == 9
-    if on_hopper and rank_r_width(r, pieces, 0, all_low_pieces=pieces) <= 64:
-        assert tma_calls == [True] and fused == [True]  # forward y; backward dx and dA from one GEMM
-    else:
-        assert tma_calls == [True, True] and fused == []  # forward y and backward dx; dA from its own pass
+    if torch.cuda.get_device_capability()[0] == 9 and padded_rank(r) * (4 if pieces else 1) <= 64:
+        # forward y; backward dx on 96 of the SMs (96 tiles) and dA streamed beside it on 5 others (520 columns)
+        assert tma_calls == [True] and beside == [True] and fused == []
+    else:  # forward y and backward dx; dA from its own pass (L's groups too wide for one MMA of the stream)
+        assert tma_calls == [True, True] and beside == [False] and fused == []
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
+@pytest.mark.parametrize("r, adapter_dtype", [(5, torch.float32), (16, torch.bfloat16)],
+                         ids=["fp32_adapters", "bf16_adapters"])
+def test_dx_takes_the_fused_gemm_where_no_sm_is_free(r, adapter_dtype, monkeypatch):
+    # 33 row blocks x 4 column blocks of dx: 132 tiles, a whole wave on 132 SMs and none free (H100 and H200 have
+    # 132): dA from the dx GEMM's own steps. 1104 outputs: the forward's 165 tiles fill the GPU (the Triton route),
+    # and g's rows keep TMA's 16-byte alignment
+    assert sm_count(torch.device("cuda")) == 132
+    fused = record_launches(monkeypatch, lora_linear_module, "dx_and_shrink_grad_gluon", False)
+    beside = record_launches(monkeypatch, lora_linear_module, "dx_beside_shrink_grad", False)
+    check((33 * 128, 4 * 256), 1104, r, torch.bfloat16, "auto", adapter_dtype=adapter_dtype)
+    assert beside == [False] and fused == [True]
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
@@ -137,24 +154,69 @@ def test_gluon_dx_and_shrink_grad_match_float64(m, k, n, dtype, adapter_dtype, m
     # as partial sums summed in order (deterministic algorithms: the same bits twice).
     monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-    g = torch.randn(m, n, dtype=dtype)
-    weight = (torch.randn(n, k) / n**0.5).to(dtype)
-    A = (torch.randn(r, k) / k**0.5).to(adapter_dtype)
-    ds = torch.randn(m, r)
-    x = torch.randn(m, k, dtype=dtype)
+    g, weight, ds, A, x = backward_operands(m, k, n, r, dtype, adapter_dtype)
     pieces = uses_bf16_pieces(dtype, adapter_dtype)
     assert pieces == (math == "exact" and adapter_dtype == torch.float32)
     assert tma_ready(g, weight) and shrink_grad_gemm_ready(g, weight, A, x, pieces)
     dx, dA = dx_and_shrink_grad_gluon(g, weight, ds, A, x, pieces, sm_count(x.device))
-    exact_dx = lora_matmul_reference(g, weight, ds, A, 1.0, dtype=torch.float64)
-    assert_close(dx, exact_dx, dtype, lora_matmul_reference(g, weight, ds, A, 1.0), "dx")
-    # the bar for dA: PEFT's float32 adapter path, or PyTorch in x's dtype (ds rounded to it, as the kernel does)
-    plain_dA = ds.t() @ x.float() if pieces else ds.to(dtype).t() @ x
-    assert dA.dtype == torch.float32 and dA.shape == A.shape
-    assert_close(dA, ds.double().t() @ x.double(), dtype, plain_dA, "dA")
+    assert_dx_and_dA(dx, dA, g, weight, ds, A, x, pieces)
     if deterministic:
         dx_again, dA_again = dx_and_shrink_grad_gluon(g, weight, ds, A, x, pieces, sm_count(x.device))
         assert torch.equal(dx_again, dx) and torch.equal(dA_again, dA)
+
+
+def backward_operands(m, k, n, r, dtype, adapter_dtype):
+    """(g [m, n], weight [n, k], ds [m, r] fp32, A [r, k], x [m, k]) of the layer's backward, random."""
+    return (torch.randn(m, n, dtype=dtype), (torch.randn(n, k) / n**0.5).to(dtype), torch.randn(m, r),
+            (torch.randn(r, k) / k**0.5).to(adapter_dtype), torch.randn(m, k, dtype=dtype))
+
+
+def assert_dx_and_dA(dx, dA, g, weight, ds, A, x, pieces):
+    """dx = g W + ds A and dA = ds^T x against float64, by DESIGN.md's rule; dA's bar: PEFT's float32 adapter path,
+    or PyTorch in x's dtype (ds rounded to it, as the kernels do)."""
+    exact_dx = lora_matmul_reference(g, weight, ds, A, 1.0, dtype=torch.float64)
+    assert_close(dx, exact_dx, x.dtype, lora_matmul_reference(g, weight, ds, A, 1.0), "dx")
+    plain_dA = ds.t() @ x.float() if pieces else ds.to(x.dtype).t() @ x
+    assert dA.dtype == torch.float32 and dA.shape == A.shape
+    assert_close(dA, ds.double().t() @ x.double(), x.dtype, plain_dA, "dA")
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
+@pytest.mark.parametrize("m, k, n", [(1000, 2000, 8200), (8100, 2000, 8200)], ids=["one_wave", "last_wave_part_full"])
+@pytest.mark.parametrize("adapter_dtype, math, r", [
+    (torch.float32, "exact", 1), (torch.float32, "exact", 16), (torch.bfloat16, "exact", 5),
+    (torch.bfloat16, "exact", 64), (torch.float32, "fast", 24)],
+    ids=["pieces_r1", "pieces_r16", "bf16_r5", "bf16_r64", "fast_r24"])
+def test_dx_beside_shrink_grad_matches_float64_and_replays(m, k, n, adapter_dtype, math, r, monkeypatch):
+    # dx = g W + ds A on the Gluon GEMM with fewer programs in as many waves, dA = ds^T x beside it on a second
+    # stream: odd edges; "one_wave": 64 tiles, 68 SMs free (16 column blocks of x: 16 stream programs);
+    # "last_wave_part_full": 512 tiles (3.88 waves), 4 free.
+    # Captured in a CUDA graph (the second stream forks from and joins the captured one), the replay gives the
+    # same bits as the eager call.
+    monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
+    g, weight, ds, A, x = backward_operands(m, k, n, r, torch.bfloat16, adapter_dtype)
+    pieces = uses_bf16_pieces(torch.bfloat16, adapter_dtype)
+    dx, dA = dx_beside_shrink_grad(g, weight, ds, A, x, pieces)
+    assert_dx_and_dA(dx, dA, g, weight, ds, A, x, pieces)
+    graph, (dx_replay, dA_replay) = capture(lambda: dx_beside_shrink_grad(g, weight, ds, A, x, pieces))
+    dx_replay.zero_()
+    dA_replay.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dx_replay, dx) and torch.equal(dA_replay, dA)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
+def test_dx_beside_shrink_grad_declines_a_pass_that_would_outlast_the_gemm():
+    # 14336 -> 1024: x of 8192 x 14336 (235 MB) on 4 free SMs would take over three times the dx GEMM's time
+    g = torch.randn(8192, 1024, dtype=torch.bfloat16)
+    weight = torch.randn(1024, 14336, dtype=torch.bfloat16)
+    x = torch.randn(8192, 14336, dtype=torch.bfloat16)
+    assert dx_beside_shrink_grad(g, weight, torch.randn(8192, 16), torch.randn(16, 14336), x, True) is None
+    # and one whose tiles fill the SMs' waves: nothing free
+    g, weight, x = torch.randn(33 * 128, 700, dtype=torch.bfloat16), torch.randn(700, 1024, dtype=torch.bfloat16), \
+        torch.randn(33 * 128, 1024, dtype=torch.bfloat16)
+    assert dx_beside_shrink_grad(g, weight, torch.randn(33 * 128, 16), torch.randn(16, 1024), x, True) is None
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
