@@ -17,6 +17,7 @@ import argparse
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import torch
 import triton
@@ -54,20 +55,20 @@ def compile_launches(compiled: list):
 
     jit.JITFunction.run = compile_only
     from lorafuse.ops import (_gluon, _lora_expand_gluon, _lora_matmul_gluon, _shrink_backward_gluon,
-                              _shrink_grad_beside_gluon, _shrink_matmul_gluon)
+                              _shrink_beside_gluon, _shrink_grad_beside_gluon, _shrink_matmul_gluon)
 
     def raise_on_failure(kernel, run):
         run()
         return True
 
-    modules = (_lora_expand_gluon, _lora_matmul_gluon, _shrink_backward_gluon, _shrink_grad_beside_gluon,
-               _shrink_matmul_gluon)
+    modules = (_lora_expand_gluon, _lora_matmul_gluon, _shrink_backward_gluon, _shrink_beside_gluon,
+               _shrink_grad_beside_gluon, _shrink_matmul_gluon)
     for module in (_gluon,) + modules:
         module.launch_or_fall_back = raise_on_failure
     return modules
 
 
-def launch_every_kernel(expand, matmul, shrink_backward, shrink_grad_beside, shrink_matmul, sms=132):
+def launch_every_kernel(expand, matmul, shrink_backward, shrink_beside, shrink_grad_beside, shrink_matmul, sms=132):
     # each launcher on CPU tensors: what it launches is compiled, not run
     M, K, N, r = 8192, 4096, 4096, 16
     x, weight = torch.randn(M, K, dtype=torch.bfloat16), torch.randn(N, K, dtype=torch.bfloat16)
@@ -85,6 +86,11 @@ def launch_every_kernel(expand, matmul, shrink_backward, shrink_grad_beside, shr
                                   torch.empty_like(x), 128)
         for fixed_order in (False, True):
             shrink_matmul.shrink_matmul_gluon(x, weight, A, B, 2.0, None, sms, fixed_order=fixed_order)
+        # the shrink beside the GEMM: its Hopper check passed here, and its stream taken wherever SMs are free
+        with mock.patch.object(shrink_beside, "shrink_matmul_ready", lambda *args: True), \
+                mock.patch.object(shrink_beside, "MAX_STREAM_SHARE", float("inf")):
+            for bias in (None, torch.randn(N, dtype=torch.bfloat16)):
+                assert shrink_beside.shrink_matmul_beside(x, weight, A, B, 2.0, bias) is not None
         if pieces:
             expand.expand_backward_gluon(dy, s, B, 2.0, sms)
         shrink_backward.shrink_backward_gluon(ds, x, A, 0.05, seed, torch.empty_like(x), sms)

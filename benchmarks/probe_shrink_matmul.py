@@ -1,6 +1,8 @@
 """Probe: the layer's forward without dropout with the shrink inside the GEMM (ops/_shrink_matmul_gluon.py), against
 the route it replaces (lora_shrink, then lora_matmul's Gluon GEMM with the rank-r K-steps) and cuBLAS's GEMM alone;
-`fixed_order` is the fused kernel summing s's parts in a fixed order (inference, deterministic algorithms).
+`fixed_order` is the fused kernel summing s's parts in a fixed order (inference, deterministic algorithms);
+`beside` the shrink streamed on the SMs that the GEMM's last wave leaves free (ops/_shrink_beside_gluon.py), its gate
+opened so that it runs at every shape (the rows set the gate, MAX_STREAM_SHARE).
 
     python benchmarks/probe_shrink_matmul.py [--rounds 30] [--out DIR]
 
@@ -17,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import adapter_probe, capture, probe_args, time_alternating  # noqa: E402
 
+from lorafuse.ops import _shrink_beside_gluon  # noqa: E402
 from lorafuse.ops._shrink_matmul_gluon import shrink_matmul_gluon, shrink_matmul_ready  # noqa: E402
 from lorafuse.ops._tiles import sm_count  # noqa: E402
 from lorafuse.ops.lora_matmul import lora_matmul, lora_matmul_reference  # noqa: E402
@@ -39,6 +42,10 @@ def fused_fixed_order(x, weight, lora_A, lora_B):
     return shrink_matmul_gluon(x, weight, lora_A, lora_B, SCALE, None, sm_count(x.device), fixed_order=True)
 
 
+def beside(x, weight, lora_A, lora_B):
+    return _shrink_beside_gluon.shrink_matmul_beside(x, weight, lora_A, lora_B, SCALE, None)
+
+
 def rel_err(got, exact):
     return ((got.double() - exact).norm() / exact.norm()).item()
 
@@ -53,24 +60,30 @@ def probe_case(k_in, n_out, adapter_dtype, rounds):
     s_exact = xs[0].double() @ lora_A.double().t()
     y_exact = lora_matmul_reference(xs[0], weight.t(), s_exact, lora_B.t(), SCALE, dtype=torch.float64)
     errors = {}
-    for name, fn in (("separate", separate), ("fused", fused), ("fixed_order", fused_fixed_order)):
-        y, s = fn(xs[0], weight, lora_A, lora_B)
-        errors[name] = max(rel_err(y, y_exact), rel_err(s, s_exact))
-    calls = {"cublas": lambda: [x @ weight.t() for x in xs],
-             "separate": lambda: [separate(x, weight, lora_A, lora_B) for x in xs],
-             "fused": lambda: [fused(x, weight, lora_A, lora_B) for x in xs],
-             "fixed_order": lambda: [fused_fixed_order(x, weight, lora_A, lora_B) for x in xs]}
-    times = time_alternating({key: capture(fn)[0].replay for key, fn in calls.items()}, rounds=rounds, warmup=5)
+    providers = {"separate": separate, "fused": fused, "fixed_order": fused_fixed_order, "beside": beside}
+    _shrink_beside_gluon.MAX_STREAM_SHARE, gate = float("inf"), _shrink_beside_gluon.MAX_STREAM_SHARE
+    try:
+        for name, fn in providers.items():
+            y, s = fn(xs[0], weight, lora_A, lora_B)
+            errors[name] = max(rel_err(y, y_exact), rel_err(s, s_exact))
+        calls = {"cublas": lambda: [x @ weight.t() for x in xs]}
+        for name, fn in providers.items():
+            calls[name] = lambda fn=fn: [fn(x, weight, lora_A, lora_B) for x in xs]
+        graphs = {key: capture(fn)[0].replay for key, fn in calls.items()}
+    finally:
+        _shrink_beside_gluon.MAX_STREAM_SHARE = gate
+    times = time_alternating(graphs, rounds=rounds, warmup=5)
     return {key: tuple(t / len(xs) for t in value) for key, value in times.items()}, errors
 
 
 def main():
     table = adapter_probe("shrink_matmul", "fwd_graph", probe_case, SHAPES, ROWS, RANK, probe_args(__doc__))
     print("\nratio to cuBLAS's GEMM alone (graph-replayed, alternating); error: largest relative error to float64")
-    print(f"{'shape':42s} {'cuBLAS us':>9s} {'separate':>9s} {'fused':>9s} {'fixed':>9s} {'error':>8s}")
+    print(f"{'shape':42s} {'cuBLAS us':>9s} {'separate':>9s} {'fused':>9s} {'fixed':>9s} {'beside':>9s} "
+          f"{'error':>8s}")
     for shape, floor, ratios, errors in table:
         print(f"{shape:42s} {floor * 1000:9.1f} {ratios['separate']:9.3f} {ratios['fused']:9.3f} "
-              f"{ratios['fixed_order']:9.3f} {max(errors.values()):8.1e}")
+              f"{ratios['fixed_order']:9.3f} {ratios['beside']:9.3f} {max(errors.values()):8.1e}")
 
 
 if __name__ == "__main__":

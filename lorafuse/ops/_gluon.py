@@ -1,6 +1,7 @@
 """Gluon, Triton's lower-level language, for the Hopper kernels that need a hand-written pipeline or their own
-register layouts (_lora_matmul_gluon.py, _shrink_matmul_gluon.py, _lora_expand_gluon.py,
-_shrink_backward_gluon.py, _shrink_grad_beside_gluon.py): its imports, where those kernels may run, and their rings' barriers.
+register layouts (_lora_matmul_gluon.py, _shrink_matmul_gluon.py, _lora_expand_gluon.py, _shrink_backward_gluon.py,
+_shrink_grad_beside_gluon.py, _shrink_beside_gluon.py): its imports, where those kernels may run, their rings'
+barriers, and the proxy fence of kernels that run beside each other.
 
 Gluon's API is experimental and has changed between Triton releases; the kernels are written and tested against
 Triton 3.6 (the GPU machines'). Triton 3.9 (this project's CPU pin) renamed the TMA copies they call
@@ -82,5 +83,12 @@ if gluon is not None:
         for i in gl.static_range(buffers):
             mbarrier.init(ready.index(i), count=1)
         return ready
+
+    @gluon.jit
+    def fence_proxy_async_global():
+        # Orders this thread's global memory accesses through the generic proxy (plain loads, stores, atomics)
+        # against those through the async proxy (TMA): needed where rows one kernel stores with plain stores are
+        # read by another kernel's TMA while both run (_shrink_beside_gluon.py)
+        gl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 else:  # pragma: no cover - no Gluon: its kernels are not defined either
-    ready_barriers = None
+    ready_barriers = fence_proxy_async_global = None

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces_reference, split_bf16
-from ._gluon import (TensorDescriptor, fence_async_shared, gl, gluon, launch_or_fall_back, mbarrier,
-                     ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
+from ._gluon import (TensorDescriptor, fence_async_shared, fence_proxy_async_global, gl, gluon, launch_or_fall_back,
+                     mbarrier, ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
 from ._tiles import MAX_PARTS_BYTES, atomic_partial_sums, lora_in_fp32, padded_rank, store_partial, summed
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
@@ -422,10 +422,21 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _rank_r_loads(a_desc, b_desc, l_desc, r_desc, a_ring, b_ring, ready, empty, M, N, K,
-                      RANK_STEPS: gl.constexpr, B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr):
+    def _wait_row_block(count_ptr):
+        # Spins until another kernel has counted the row block in (release; its L rows stored), then orders this
+        # program's TMA reads after it: TMA reads through the async proxy, the rows were written through the generic
+        # one
+        while gl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < 1:
+            pass
+        fence_proxy_async_global()
+
+    @gluon.jit
+    def _rank_r_loads(a_desc, b_desc, l_desc, r_desc, count_ptr, a_ring, b_ring, ready, empty, M, N, K,
+                      RANK_STEPS: gl.constexpr, B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+                      WAIT_ROWS: gl.constexpr):
         # _gemm_rank_r's load warp: every step of every tile of this program, in the order the MMAs take them, into
-        # the ring slot that the MMA warps last released (`empty`)
+        # the ring slot that the MMA warps last released (`empty`). WAIT_ROWS: a tile's L rows come from a kernel
+        # running beside this one (_shrink_beside_gluon.py), which counts each row block in when they are stored
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         buffers: gl.constexpr = a_ring.type.shape[0]
@@ -435,6 +446,9 @@ if gluon is not None:
         for _ in range(gl.cdiv(blocks_m * blocks_n - tile, programs)):
             pid_m, pid_n = _tile_coords(tile, blocks_m, blocks_n, GROUP_M)
             for step in range(k_steps + RANK_STEPS):
+                if WAIT_ROWS:
+                    if step == k_steps:
+                        _wait_row_block(count_ptr + pid_m)
                 mbarrier.wait(empty.index(loads % buffers), (loads // buffers & 1) ^ 1)  # at first: free already
                 loads = _load_step(loads, step, k_steps, pid_m * BLOCK_M, pid_n * BLOCK_N, a_desc, b_desc, l_desc,
                                    r_desc, ready, a_ring, b_ring, B_K_MAJOR, True)
@@ -442,7 +456,7 @@ if gluon is not None:
 
     @gluon.jit
     def _rank_r_mmas(c_desc, a_ring, b_ring, c_smem, ready, empty, M, N, K, RANK_STEPS: gl.constexpr,
-                     B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr):
+                     B_K_MAJOR: gl.constexpr, GROUP_M: gl.constexpr, WAIT_ROWS: gl.constexpr):
         # _gemm_rank_r's MMA warps: each step's MMA issued as soon as its slot is loaded, one in flight; the slot of
         # the one before is released once it completes. Then the tile's C through c_smem, stored by TMA while the
         # next tile's MMAs run.
@@ -474,22 +488,26 @@ if gluon is not None:
             _store_c(acc.to(c_desc.dtype), c_smem, c_desc, pid_m * BLOCK_M, pid_n * BLOCK_N)
             tile += programs
         tma.store_wait(pendings=0)
+        if WAIT_ROWS:  # launched as the kernel beside's programmatic dependent: end only after it has
+            tl.extra.cuda.gdc_wait()
 
     @gluon.jit
-    def _gemm_rank_r(a_desc, b_desc, l_desc, r_desc, c_desc, M, N, K, RANK_STEPS: gl.constexpr,
+    def _gemm_rank_r(a_desc, b_desc, l_desc, r_desc, c_desc, count_ptr, M, N, K, RANK_STEPS: gl.constexpr,
                      B_K_MAJOR: gl.constexpr, NUM_BUFFERS: gl.constexpr, GROUP_M: gl.constexpr,
-                     LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+                     LOAD_REGISTERS: gl.constexpr, WAIT_ROWS: gl.constexpr, num_warps: gl.constexpr):
         # A: [M, K] in [BM, BK] boxes; B: [N, K] in [BN, BK] boxes when B_K_MAJOR (x @ W^T), else [K, N] in [BK, BN];
         # L: [M, width] in A's boxes, R: like B with width for K; C: [M, N] in [BM, BN] boxes. Persistent: program p
         # takes tiles p, p + programs, ..., each cdiv(K, BK) + RANK_STEPS steps. Warp-specialised: one warp
         # (LOAD_REGISTERS registers a thread) issues the TMA loads (_rank_r_loads) up to NUM_BUFFERS steps ahead,
-        # across tiles; the num_warps warps run the MMAs and the stores (_rank_r_mmas).
+        # across tiles; the num_warps warps run the MMAs and the stores (_rank_r_mmas). WAIT_ROWS: each row block's
+        # L rows wait for count[row block] >= 1 (_rank_r_loads).
         a_ring, b_ring, c_smem, ready = _gemm_buffers(a_desc, b_desc, c_desc, NUM_BUFFERS)
         empty = ready_barriers(NUM_BUFFERS)  # a slot's MMA has completed: the load warp may refill it
         gl.warp_specialize([(_rank_r_mmas, (c_desc, a_ring, b_ring, c_smem, ready, empty, M, N, K, RANK_STEPS,
-                                            B_K_MAJOR, GROUP_M)),
-                            (_rank_r_loads, (a_desc, b_desc, l_desc, r_desc, a_ring, b_ring, ready, empty, M, N, K,
-                                             RANK_STEPS, B_K_MAJOR, GROUP_M))], [1], [LOAD_REGISTERS])
+                                            B_K_MAJOR, GROUP_M, WAIT_ROWS)),
+                            (_rank_r_loads, (a_desc, b_desc, l_desc, r_desc, count_ptr, a_ring, b_ring, ready, empty,
+                                             M, N, K, RANK_STEPS, B_K_MAJOR, GROUP_M, WAIT_ROWS))], [1],
+                           [LOAD_REGISTERS])
 
 
 def _descriptors(a, b, left, r_op, c, b_k_major):
@@ -519,19 +537,26 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     return c if gemm_rank_r_packed(a, b, left, r_op, c, programs) else None
 
 
-def gemm_rank_r_packed(a, b, left, r_op, c, programs) -> bool:
+def gemm_rank_r_packed(a, b, left, r_op, c, programs, row_counts=None) -> bool:
     """c = a @ b + left @ r_op through _gemm_rank_r on `programs` programs (rank_r_operands packed L and R); whether
-    the kernel ran (_gluon.launch_or_fall_back)."""
+    the kernel ran (_gluon.launch_or_fall_back). row_counts: L's rows are being written by the kernel launched just
+    before, which counts each row block in (int32 [row blocks]); this one is launched as its programmatic dependent
+    (launch_pdl: it starts once every program of that kernel has started, so that it never waits on one that has
+    not) and waits for a row block's count before loading its L rows."""
     # a: [M, K], b: [K, N] (K-major or contiguous), left: [M, W], r_op: [N, W] if b is K-major else [W, N], c: [M, N]
     M, K = a.shape
     N = b.shape[1]
     b_k_major = b.stride(0) == 1
     descriptors, _, _ = _descriptors(a, b, left, r_op, c, b_k_major)
     rank_steps = triton.cdiv(left.shape[1], BLOCK_K)
+    wait_rows = row_counts is not None
     # one key a compiled variant: one that ran must not hide another's first failure
-    return launch_or_fall_back(f"_gemm_rank_r(b_k_major={b_k_major}, rank_steps={rank_steps})", lambda: _gemm_rank_r[
-        (programs,)](*descriptors, M, N, K, RANK_STEPS=rank_steps, B_K_MAJOR=b_k_major, NUM_BUFFERS=NUM_BUFFERS,
-                     GROUP_M=GROUP_M, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=WARPS))
+    return launch_or_fall_back(
+        f"_gemm_rank_r(b_k_major={b_k_major}, rank_steps={rank_steps}, wait_rows={wait_rows})",
+        lambda: _gemm_rank_r[(programs,)](*descriptors, row_counts if wait_rows else c, M, N, K, RANK_STEPS=rank_steps,
+                                          B_K_MAJOR=b_k_major, NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M,
+                                          LOAD_REGISTERS=LOAD_REGISTERS, WAIT_ROWS=wait_rows, num_warps=WARPS,
+                                          launch_pdl=wait_rows))
 
 
 def shrink_grad_gemm_ready(g, weight, lora_A, x, pieces) -> bool:

@@ -25,6 +25,7 @@ from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
 from ._bf16_pieces import uses_bf16_pieces
 from ._lora_matmul_gluon import dx_and_shrink_grad_gluon, shrink_grad_gemm_ready
+from ._shrink_beside_gluon import shrink_matmul_beside
 from ._shrink_grad_beside_gluon import dx_beside_shrink_grad
 from ._shrink_matmul_gluon import SHRINK_IN_GEMM_UP_TO_N, shrink_matmul_gluon, shrink_matmul_ready
 from ._tiles import adapter_math, lora_in_fp32, padded_rank, sm_count
@@ -99,6 +100,10 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
         y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, seed, threshold, drop_scale,
                            shrink_weight=lora_A, mask_input=dropout_p > 0.0, store_z=store_z)
         return y, s, z
+    if gemm == "triton" and dropout_p == 0.0 and act == 0 and tma_ready(x, weight.t()):
+        beside = shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias)
+        if beside is not None:  # the shrink streamed on the SMs the GEMM leaves free (Hopper, _shrink_beside_gluon.py)
+            return (*beside, None)
     if (gemm == "triton" and dropout_p == 0.0 and act == 0 and weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N
             and tma_ready(x, weight.t()) and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)):
         fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device),
