@@ -8,9 +8,10 @@ that kernel is not warp-specialised); as its own pass before the GEMM, a read of
 
 How: a packing launch (R, lora_A's bf16 pieces, the zeroed counts); then `_shrink_stream` on the free SMs: each
 program takes row blocks p, p + programs, ... in order and streams the row block's x through a TMA ring against
-lora_A's pieces side by side (one wgmma a step, each step's product added in float32 registers, as the fused kernels'
-precision rule), then stores s's rows (fp32), L's rows (scale * s as the GEMM's rank-r operand: bf16 pieces [l0 | l1
-| l0], or s in x's dtype, then the bias columns' ones, as rank_r_operands packs them) and counts the row block in.
+lora_A's pieces side by side (warp-specialised: one warp issues the loads; the others run one wgmma a step and add
+each step's product in float32 registers, as the fused kernels' precision rule), then stores s's rows (fp32), L's
+rows (scale * s as the GEMM's rank-r operand: bf16 pieces [l0 | l1 | l0], or s in x's dtype, then the bias columns'
+ones, as rank_r_operands packs them) and counts the row block in.
 The GEMM (_lora_matmul_gluon's warp-specialised _gemm_rank_r on same_waves_programs programs) is launched as the
 stream's programmatic dependent: it starts once every stream program has started, so its waits are only ever on
 running programs, and its load warp waits for a row block's count before the tile's rank-r steps, the last of its
@@ -18,6 +19,12 @@ K-loop. No atomics but the counts: the same bits every run, as inference and det
 - A stream program takes over half an SM's shared memory, a GEMM program 208 KiB: they never share an SM.
 - The first wave's tiles need the first row blocks by the end of their K-loop, and each wave as many row blocks
   more: the route is taken only where the stream is predicted to stay ahead (MAX_STREAM_SHARE).
+
+`python benchmarks/probe_shrink_matmul.py` (H100, 8192 rows, r = 16, x cuBLAS's GEMM alone; results/
+shrink_matmul.csv), the shrink inside the GEMM -> beside, float32 / bf16 adapters: 4096 -> 4096 1.102 -> 1.050 /
+1.076 -> 1.036; 4096 -> 14336 1.067 -> 1.032 / 1.053 -> 1.030; 14336 -> 4096 1.057 -> 1.025 / 0.999 -> 1.008; 2048 ->
+8192 1.090 -> 1.035 / 1.075 -> 1.041. With one set of warps in the stream it lost with float32 adapters at 4096 ->
+4096 (1.118) and 14336 -> 4096 (1.102) (benchmarks/NOTES_lora_layer.md).
 """
 import torch
 import triton
@@ -26,7 +33,8 @@ import triton.language as tl
 from ._bf16_pieces import uses_bf16_pieces
 from ._gluon import (TensorDescriptor, fence_proxy_async_global, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, tma, tma_aligned, warpgroup_mma, warpgroup_mma_wait)
-from ._lora_matmul_gluon import BLOCK_M, BLOCK_N, gemm_rank_r_packed, rank_r_operands, rank_r_width
+from ._lora_matmul_gluon import (BLOCK_M, BLOCK_N, LOAD_REGISTERS, gemm_rank_r_packed, rank_r_operands,
+                                 rank_r_width)
 from ._shrink_grad_beside_gluon import GEMM_FLOPS_PER_S, STREAM_BYTES_PER_S, same_waves_programs
 from ._shrink_matmul_gluon import _shrink_rows, shrink_matmul_ready
 from ._tiles import sm_count
@@ -35,7 +43,10 @@ STREAM_K = 128  # x's box: BLOCK_M rows (one GEMM row block, one count) by STREA
 STREAM_WARPS = 4
 STREAM_RING_BYTES = 200 * 1024
 MAX_SHRINK_ROWS = 64  # lora_A's rows (or pieces' rows) a step: two [128, 64] float32 sums in registers
-MAX_STREAM_SHARE = 0.8  # the stream's predicted time over the GEMM's (see the module docstring), at most
+# The stream's predicted time over the GEMM's, at most. At STREAM_BYTES_PER_S the probe's shapes predict 0.24-0.89,
+# and the stream won at every one of them but 14336 -> 4096 with bf16 adapters (0.72; within 0.01) (H100, layer bench
+# at 1.0 against 0.8, NOTES_lora_layer.md)
+MAX_STREAM_SHARE = 1.0
 
 
 def _ring_slots(shrink_rows: int) -> int:
@@ -44,52 +55,76 @@ def _ring_slots(shrink_rows: int) -> int:
 
 if gluon is not None:
     @gluon.jit
-    def _stream_load(step, k_steps, x_desc, la_desc, ready, x_ring, la_ring, pred):
-        # step -> (row block of this program, K-step); TMA loads into ring slot step % slots
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BK: gl.constexpr = x_desc.block_type.shape[1]
-        index = step % x_ring.type.shape[0]
-        bar = ready.index(index)
-        row = (gl.program_id(0) + step // k_steps * gl.num_programs(0)) * BM
-        k = step % k_steps * BK
-        mbarrier.expect(bar, x_desc.block_type.nbytes + la_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [row, k], bar, x_ring.index(index), pred)
-        tma.async_copy_global_to_shared(la_desc, [0, k], bar, la_ring.index(index), pred)
+    def _stream_steps(M, K, BM: gl.constexpr, BK: gl.constexpr):
+        # (K-steps a row block, this program's steps: its row blocks p, p + programs, ... times the K-steps)
+        k_steps = gl.cdiv(K, BK)
+        return k_steps, gl.cdiv(gl.cdiv(M, BM) - gl.program_id(0), gl.num_programs(0)) * k_steps
 
     @gluon.jit
-    def _shrink_stream(x_desc, la_desc, s_ptr, l_ptr, count_ptr, M, K, width, scale, R: gl.constexpr,
-                       PIECES: gl.constexpr, BIAS_COLUMNS: gl.constexpr, SLOTS: gl.constexpr,
-                       num_warps: gl.constexpr):
-        # x: [M, K] in [BM, BK] boxes; LA: lora_A's pieces [3 R, K] (PIECES) or lora_A [R, K] in x's dtype, in
-        # [SHRINK_ROWS, BK] boxes; s: [M, R] fp32; L: [M, width] in x's dtype; count: [row blocks] int32, zeroed
-        tl.extra.cuda.gdc_launch_dependents()  # the GEMM may start once every program of this one has
+    def _stream_loads(x_desc, la_desc, x_ring, la_ring, ready, empty, M, K):
+        # _shrink_stream's load warp: step i -> (row block, K-step) by TMA into slot i % slots, once the MMA warps
+        # have released it (`empty`)
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        SHRINK_ROWS: gl.constexpr = la_desc.block_type.shape[0]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        slots: gl.constexpr = x_ring.type.shape[0]
+        k_steps, steps = _stream_steps(M, K, BM, BK)
+        for i in range(steps):
+            index = i % slots
+            mbarrier.wait(empty.index(index), (i // slots & 1) ^ 1)  # at first: free already
+            bar = ready.index(index)
+            row = (gl.program_id(0) + i // k_steps * gl.num_programs(0)) * BM
+            k = i % k_steps * BK
+            mbarrier.expect(bar, x_desc.block_type.nbytes + la_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [row, k], bar, x_ring.index(index))
+            tma.async_copy_global_to_shared(la_desc, [0, k], bar, la_ring.index(index))
+
+    @gluon.jit
+    def _stream_mmas(x_ring, la_ring, ready, empty, s_ptr, l_ptr, count_ptr, M, K, width, scale, R: gl.constexpr,
+                     PIECES: gl.constexpr, BIAS_COLUMNS: gl.constexpr):
+        # _shrink_stream's MMA warps: each step's product once its slot is loaded, the slot released once the MMA
+        # has read it, the product added in float32 registers; at a row block's last step its rows stored
+        slots: gl.constexpr = x_ring.type.shape[0]
+        BM: gl.constexpr = x_ring.type.shape[1]
+        BK: gl.constexpr = x_ring.type.shape[2]
+        SHRINK_ROWS: gl.constexpr = la_ring.type.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                              instr_shape=[16, SHRINK_ROWS, 16])
-        x_ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, BM, BK], x_desc.layout)
-        la_ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, SHRINK_ROWS, BK], la_desc.layout)
-        ready = ready_barriers(SLOTS)
-        k_steps = gl.cdiv(K, BK)
-        steps = gl.cdiv(gl.cdiv(M, BM) - gl.program_id(0), gl.num_programs(0)) * k_steps
-        for s in gl.static_range(SLOTS - 1):
-            _stream_load(s, k_steps, x_desc, la_desc, ready, x_ring, la_ring, s < steps)
+        k_steps, steps = _stream_steps(M, K, BM, BK)
         total = gl.zeros((BM, SHRINK_ROWS), gl.float32, acc_layout)
         for i in range(steps):
-            # the slot of step i - 1, whose MMA was waited for, takes the load SLOTS - 1 steps ahead
-            _stream_load(i + SLOTS - 1, k_steps, x_desc, la_desc, ready, x_ring, la_ring, i + SLOTS - 1 < steps)
-            index = i % SLOTS
-            mbarrier.wait(ready.index(index), i // SLOTS & 1)
+            index = i % slots
+            mbarrier.wait(ready.index(index), i // slots & 1)
             part = warpgroup_mma(x_ring.index(index), la_ring.index(index).permute((1, 0)),
                                  gl.zeros((BM, SHRINK_ROWS), gl.float32, acc_layout), use_acc=False, is_async=True)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            mbarrier.arrive(empty.index(index))
             k_step = i % k_steps
             total = gl.where(k_step == 0, part, total + part)
             if k_step == k_steps - 1:
                 block = gl.program_id(0) + i // k_steps * gl.num_programs(0)
                 _store_row_block(total, s_ptr, l_ptr, count_ptr, block, M, width, scale, R, PIECES, BIAS_COLUMNS,
-                                 num_warps)
+                                 gl.num_warps())
+
+    @gluon.jit
+    def _shrink_stream(x_desc, la_desc, s_ptr, l_ptr, count_ptr, M, K, width, scale, R: gl.constexpr,
+                       PIECES: gl.constexpr, BIAS_COLUMNS: gl.constexpr, SLOTS: gl.constexpr,
+                       LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+        # x: [M, K] in [BM, BK] boxes; LA: lora_A's pieces [3 R, K] (PIECES) or lora_A [R, K] in x's dtype, in
+        # [SHRINK_ROWS, BK] boxes; s: [M, R] fp32; L: [M, width] in x's dtype; count: [row blocks] int32, zeroed.
+        # Warp-specialised: one warp issues the TMA loads up to SLOTS steps ahead (_stream_loads), the num_warps
+        # warps run the MMAs, the sums and the stores (_stream_mmas).
+        tl.extra.cuda.gdc_launch_dependents()  # the GEMM may start once every program of this one has
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        SHRINK_ROWS: gl.constexpr = la_desc.block_type.shape[0]
+        x_ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, BM, BK], x_desc.layout)
+        la_ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, SHRINK_ROWS, BK], la_desc.layout)
+        ready = ready_barriers(SLOTS)  # a slot's loads have landed
+        empty = ready_barriers(SLOTS)  # a slot's MMA has completed: the load warp may refill it
+        gl.warp_specialize([(_stream_mmas, (x_ring, la_ring, ready, empty, s_ptr, l_ptr, count_ptr, M, K, width,
+                                            scale, R, PIECES, BIAS_COLUMNS)),
+                            (_stream_loads, (x_desc, la_desc, x_ring, la_ring, ready, empty, M, K))], [1],
+                           [LOAD_REGISTERS])
 
     @gluon.jit
     def _store_row_block(total, s_ptr, l_ptr, count_ptr, block, M, width, scale, R: gl.constexpr,
@@ -164,6 +199,6 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias):
         f"_shrink_stream(pieces={pieces}, r={r}, bias_columns={bias_columns})",
         lambda: _shrink_stream[(stream_programs,)](x_desc, la_desc, s, left, counts, M, K, width, scale, R=r,
                                                    PIECES=pieces, BIAS_COLUMNS=bias_columns, SLOTS=slots,
-                                                   num_warps=STREAM_WARPS))
+                                                   LOAD_REGISTERS=LOAD_REGISTERS, num_warps=STREAM_WARPS))
     ran = ran and gemm_rank_r_packed(x, weight.t(), left, r_op, y, programs, row_counts=counts)
     return (y, s) if ran else None

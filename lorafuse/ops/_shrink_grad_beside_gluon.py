@@ -11,18 +11,20 @@ fits there if it streams fast enough: then it costs nothing, where inside the dx
 How: one pack of L = ds's pieces side by side ([l0 | l1 | l0 | l2], or ds in x's dtype) and R (rank_r_operands with
 all_low_pieces); the dx GEMM (_gemm_rank_r, L and R as its last K-steps) on `same_waves_programs` programs; on a
 second stream at the same time `_shrink_grad_stream` on the free SMs. Each stream program owns column blocks p, p +
-programs, ... of x and walks all rows: TMA loads of x's [128, 128] box and L's [128, W] box into a ring as deep as
-shared memory allows (bytes in flight set its speed), one wgmma a step (acc [128, W] = x^T L: x's box transposed in
-shared memory), each step's product added in float32 registers (the precision rule of the fused kernels); at the
-column block's end the groups l0, l1, l2 are summed and stored as dA's columns. No atomics: dA's bits are the same
-run after run.
+programs, ... of x and walks all rows. It is warp-specialised: one warp issues TMA loads of x's [128, 128] box and
+L's [128, W] box into a ring; the other warps run one wgmma a step (acc [128, W] = x^T L: x's box transposed in
+shared memory) and add each step's product in float32 registers (the precision rule of the fused kernels; chained
+in the tensor cores over a column's 64 steps, dA's error to float64 grew from 1.9e-7 to 9.1e-6); at the column
+block's end the groups l0, l1, l2 are summed and stored as dA's columns. No atomics: dA's bits are the same run after
+run.
 - The ring takes over half an SM's shared memory, and a GEMM program 208 KiB: a stream program shares its SM with
   neither, so it lands on a free SM whichever kernel starts first. Nothing waits for it: if other work holds the
   SMs, it runs after the GEMM, slower but never stuck.
-- Bytes of x an SM streams a second (H100, 8192 x 4096, r = 16, 4 programs alone; a one-off probe,
-  benchmarks/NOTES_lora_layer.md, twenty-third session): 57 GB/s with float32 adapters (N = 64), 70 with bf16 ones
-  (N = 16); with 64-row boxes and 3-4 slots, 34-48. The route is taken only where the pass is predicted to end
-  within the GEMM.
+- Bytes of x an SM streams a second (8192 x 4096, r = 16, 4 programs alone; one-off probes,
+  benchmarks/NOTES_lora_layer.md, twenty-third session): with one set of warps 56 GB/s with float32 adapters (N =
+  64) and 70 with bf16 ones (N = 16) on an H100; warp-specialised 57 and 84 on an H200 (53 and 76 there with one
+  set). Each step's waits bound it, not the bytes in flight: 3 to 5 slots read the same. The route is taken only
+  where the pass is predicted to end within the GEMM.
 
 `python benchmarks/probe_shrink_grad_gemm.py` (H100, 8192 rows, r = 16, packing included, x cuBLAS's g W alone;
 results/shrink_grad_gemm.csv), the fused dx GEMM -> this route, float32 / bf16 adapters: 4096 -> 4096 1.090 -> 1.045
@@ -36,14 +38,16 @@ import triton
 
 from ._gluon import TensorDescriptor, gl, gluon, launch_or_fall_back, mbarrier, ready_barriers, tma, warpgroup_mma, \
     warpgroup_mma_wait
-from ._lora_matmul_gluon import BLOCK_M, BLOCK_N, gemm_rank_r_packed, gluon_gemm_ready, rank_r_operands
+from ._lora_matmul_gluon import (BLOCK_M, BLOCK_N, LOAD_REGISTERS, gemm_rank_r_packed, gluon_gemm_ready,
+                                 rank_r_operands)
 from ._tiles import padded_rank, sm_count
 
 STREAM_BLOCK = (128, 128)  # x's box: rows, columns
 STREAM_WARPS = 4
 STREAM_RING_BYTES = 200 * 1024  # of the 227 KiB an SM gives a program; the rest for the store's layout change
-# Bytes of x one stream program reads a second (float32 adapters as pieces, or 16-bit ones), and the GEMM's FLOP a
-# second (H100, measured as in the docstring; cuBLAS's 8192 x 4096 x 4096 takes 340 us: 808 TFLOP/s).
+# Bytes of x one stream program reads a second (float32 adapters as pieces, or 16-bit ones; below the docstring's
+# measurements, to leave a margin), and the GEMM's FLOP a second (H100: cuBLAS's 8192 x 4096 x 4096 takes 340 us,
+# 808 TFLOP/s).
 STREAM_BYTES_PER_S = {True: 55e9, False: 68e9}
 GEMM_FLOPS_PER_S = 800e12
 
@@ -64,49 +68,73 @@ def _ring_slots(width: int) -> int:
 
 if gluon is not None:
     @gluon.jit
-    def _stream_load(step, row_steps, x_desc, l_desc, ready, x_ring, l_ring, pred):
-        # step -> (column block of this program, row block); TMA loads into ring slot step % slots
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BK: gl.constexpr = x_desc.block_type.shape[1]
-        index = step % x_ring.type.shape[0]
-        bar = ready.index(index)
-        col = (gl.program_id(0) + step // row_steps * gl.num_programs(0)) * BK
-        row = step % row_steps * BM
-        mbarrier.expect(bar, x_desc.block_type.nbytes + l_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [row, col], bar, x_ring.index(index), pred)
-        tma.async_copy_global_to_shared(l_desc, [row, 0], bar, l_ring.index(index), pred)
+    def _stream_steps(M, K, BM: gl.constexpr, BK: gl.constexpr):
+        # (row blocks, this program's steps: its column blocks p, p + programs, ... times the row blocks)
+        row_steps = gl.cdiv(M, BM)
+        return row_steps, gl.cdiv(gl.cdiv(K, BK) - gl.program_id(0), gl.num_programs(0)) * row_steps
 
     @gluon.jit
-    def _shrink_grad_stream(x_desc, l_desc, da_ptr, M, K, rank, GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr,
-                            SLOTS: gl.constexpr, num_warps: gl.constexpr):
-        # x: [M, K] in [BM, BK] boxes; L: [M, W] in [BM, W] boxes; da: [rank, K] fp32. W = GROUP_ROWS, or with
-        # LOW_PIECES four groups of GROUP_ROWS columns: l0 | l1 | l0 | l2
+    def _stream_loads(x_desc, l_desc, x_ring, l_ring, ready, empty, M, K):
+        # _shrink_grad_stream's load warp: step i -> (column block, row block) by TMA into slot i % slots, once the
+        # MMA warps have released it (`empty`)
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        W: gl.constexpr = l_desc.block_type.shape[1]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        slots: gl.constexpr = x_ring.type.shape[0]
+        row_steps, steps = _stream_steps(M, K, BM, BK)
+        for i in range(steps):
+            index = i % slots
+            mbarrier.wait(empty.index(index), (i // slots & 1) ^ 1)  # at first: free already
+            bar = ready.index(index)
+            col = (gl.program_id(0) + i // row_steps * gl.num_programs(0)) * BK
+            row = i % row_steps * BM
+            mbarrier.expect(bar, x_desc.block_type.nbytes + l_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [row, col], bar, x_ring.index(index))
+            tma.async_copy_global_to_shared(l_desc, [row, 0], bar, l_ring.index(index))
+
+    @gluon.jit
+    def _stream_mmas(x_ring, l_ring, ready, empty, da_ptr, M, K, rank, GROUP_ROWS: gl.constexpr,
+                     LOW_PIECES: gl.constexpr):
+        # _shrink_grad_stream's MMA warps: each step's product once its slot is loaded, the slot released once the
+        # MMA has read it, the product added in float32 registers; at a column block's last step its dA stored
+        slots: gl.constexpr = x_ring.type.shape[0]
+        BM: gl.constexpr = x_ring.type.shape[1]
+        BK: gl.constexpr = x_ring.type.shape[2]
+        W: gl.constexpr = l_ring.type.shape[2]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                              instr_shape=[16, W, 16])
-        x_ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, BM, BK], x_desc.layout)
-        l_ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, BM, W], l_desc.layout)
-        ready = ready_barriers(SLOTS)
-        row_steps = gl.cdiv(M, BM)
-        steps = gl.cdiv(gl.cdiv(K, BK) - gl.program_id(0), gl.num_programs(0)) * row_steps
-        for s in gl.static_range(SLOTS - 1):
-            _stream_load(s, row_steps, x_desc, l_desc, ready, x_ring, l_ring, s < steps)
+        row_steps, steps = _stream_steps(M, K, BM, BK)
         total = gl.zeros((BK, W), gl.float32, acc_layout)
         for i in range(steps):
-            # the slot of step i - 1, whose MMA was waited for, takes the load SLOTS - 1 steps ahead
-            _stream_load(i + SLOTS - 1, row_steps, x_desc, l_desc, ready, x_ring, l_ring, i + SLOTS - 1 < steps)
-            index = i % SLOTS
-            mbarrier.wait(ready.index(index), i // SLOTS & 1)
+            index = i % slots
+            mbarrier.wait(ready.index(index), i // slots & 1)
             part = warpgroup_mma(x_ring.index(index).permute((1, 0)), l_ring.index(index),
                                  gl.zeros((BK, W), gl.float32, acc_layout), use_acc=False, is_async=True)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            mbarrier.arrive(empty.index(index))
             row_step = i % row_steps
             total = gl.where(row_step == 0, part, total + part)
             if row_step == row_steps - 1:
                 _store_columns(total, da_ptr, (gl.program_id(0) + i // row_steps * gl.num_programs(0)) * BK, K,
-                               rank, GROUP_ROWS, LOW_PIECES, num_warps)
+                               rank, GROUP_ROWS, LOW_PIECES, gl.num_warps())
+
+    @gluon.jit
+    def _shrink_grad_stream(x_desc, l_desc, da_ptr, M, K, rank, GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr,
+                            SLOTS: gl.constexpr, LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+        # x: [M, K] in [BM, BK] boxes; L: [M, W] in [BM, W] boxes; da: [rank, K] fp32. W = GROUP_ROWS, or with
+        # LOW_PIECES four groups of GROUP_ROWS columns: l0 | l1 | l0 | l2. Warp-specialised: one warp issues the TMA
+        # loads up to SLOTS steps ahead (_stream_loads), the num_warps warps run the MMAs, the sums and the stores
+        # (_stream_mmas).
+        BM: gl.constexpr = x_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        W: gl.constexpr = l_desc.block_type.shape[1]
+        x_ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, BM, BK], x_desc.layout)
+        l_ring = gl.allocate_shared_memory(x_desc.dtype, [SLOTS, BM, W], l_desc.layout)
+        ready = ready_barriers(SLOTS)  # a slot's loads have landed
+        empty = ready_barriers(SLOTS)  # a slot's MMA has completed: the load warp may refill it
+        gl.warp_specialize([(_stream_mmas, (x_ring, l_ring, ready, empty, da_ptr, M, K, rank, GROUP_ROWS,
+                                            LOW_PIECES)),
+                            (_stream_loads, (x_desc, l_desc, x_ring, l_ring, ready, empty, M, K))], [1],
+                           [LOAD_REGISTERS])
 
     @gluon.jit
     def _store_columns(total, da_ptr, col0, K, rank, GROUP_ROWS: gl.constexpr, LOW_PIECES: gl.constexpr,
@@ -169,4 +197,4 @@ def _launch_stream(x, left, dA, r, pieces, programs) -> bool:
     slots = _ring_slots(l_box[1])
     return launch_or_fall_back(f"_shrink_grad_stream(pieces={pieces}, slots={slots})", lambda: _shrink_grad_stream[
         (programs,)](x_desc, l_desc, dA, x.shape[0], x.shape[1], r, GROUP_ROWS=padded_rank(r), LOW_PIECES=pieces,
-                     SLOTS=slots, num_warps=STREAM_WARPS))
+                     SLOTS=slots, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=STREAM_WARPS))
