@@ -43,7 +43,7 @@ STREAM_K = 128  # x's box: BLOCK_M rows (one GEMM row block, one count) by STREA
 STREAM_WARPS = 4
 STREAM_RING_BYTES = 200 * 1024
 MAX_SHRINK_ROWS = 64  # lora_A's rows (or pieces' rows) a step: two [128, 64] float32 sums in registers
-# The stream's predicted time over the GEMM's, at most. At STREAM_BYTES_PER_S the probe's shapes predict 0.24-0.89,
+# The stream's predicted time over the GEMM's, at most. At STREAM_BYTES_PER_S the probe's shapes predict 0.21-0.89,
 # and the stream won at every one of them but 14336 -> 4096 with bf16 adapters (0.72; within 0.01) (H100, layer bench
 # at 1.0 against 0.8, NOTES_lora_layer.md)
 MAX_STREAM_SHARE = 1.0
@@ -129,14 +129,17 @@ if gluon is not None:
     @gluon.jit
     def _store_row_block(total, s_ptr, l_ptr, count_ptr, block, M, width, scale, R: gl.constexpr,
                          PIECES: gl.constexpr, BIAS_COLUMNS: gl.constexpr, num_warps: gl.constexpr):
-        # total: [BM, SHRINK_ROWS] fp32 = x's row block @ LA^T. s's rows = the sum of its R-column groups (the
-        # pieces; the groups past them are zeros); L's rows as rank_r_operands packs them; then the count (release)
+        # total: [BM, SHRINK_ROWS] fp32 = x's row block @ LA^T. s's rows = the sum of its R-column groups that hold
+        # the pieces (3, or 1; the columns past them, against TMA's zero rows, are left out: x's infinities would make
+        # NaNs there); L's rows as rank_r_operands packs them; then the count (release)
         BM: gl.constexpr = total.type.shape[0]
         SHRINK_ROWS: gl.constexpr = total.type.shape[1]
         dtype: gl.constexpr = l_ptr.dtype.element_ty
         s_tile = total
         if SHRINK_ROWS > R:
-            s_tile = gl.sum(gl.reshape(total, [BM, SHRINK_ROWS // R, R]), axis=1)
+            grouped = gl.reshape(total, [BM, SHRINK_ROWS // R, R])
+            group = gl.arange(0, SHRINK_ROWS // R, layout=gl.SliceLayout(0, gl.SliceLayout(2, grouped.type.layout)))
+            s_tile = gl.sum(gl.where((group < (3 if PIECES else 1))[None, :, None], grouped, 0.0), axis=1)
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (R // 4), R // 4], [num_warps, 1], [1, 0])
         s_tile = gl.convert_layout(s_tile, layout)
         rows = block * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))[:, None]
@@ -170,7 +173,8 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias):
     N, r = weight.shape[0], lora_A.shape[0]
     pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
     shrink_rows = _shrink_rows(r, pieces)
-    if not (shrink_matmul_ready(x, weight, lora_A, lora_B, bias) and shrink_rows <= MAX_SHRINK_ROWS):
+    if not (shrink_matmul_ready(x, weight, lora_A, lora_B, bias) and shrink_rows <= MAX_SHRINK_ROWS
+            and K * x.element_size() % 16 == 0):  # lora_A's pieces, K wide, read by TMA: 16-byte row strides
         return None
     sms = sm_count(x.device)
     blocks_m = triton.cdiv(M, BLOCK_M)
@@ -196,7 +200,7 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias):
     la_desc = TensorDescriptor.from_tensor(shrink_weight, la_box, gl.NVMMASharedLayout.get_default_for(la_box, dtype))
     slots = _ring_slots(shrink_rows)
     ran = launch_or_fall_back(
-        f"_shrink_stream(pieces={pieces}, r={r}, bias_columns={bias_columns})",
+        f"_shrink_stream(pieces={pieces}, r={r}, bias_columns={bias_columns}, dtype={x.dtype})",
         lambda: _shrink_stream[(stream_programs,)](x_desc, la_desc, s, left, counts, M, K, width, scale, R=r,
                                                    PIECES=pieces, BIAS_COLUMNS=bias_columns, SLOTS=slots,
                                                    LOAD_REGISTERS=LOAD_REGISTERS, num_warps=STREAM_WARPS))

@@ -146,7 +146,7 @@ if gluon is not None:
         if LOW_PIECES:
             grouped = gl.reshape(total, [BK, W // GROUP_ROWS, GROUP_ROWS])
             group = gl.arange(0, W // GROUP_ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, grouped.type.layout)))
-            total = gl.sum(grouped * gl.where(group == 2, 0.0, 1.0)[None, :, None], axis=1)
+            total = gl.sum(gl.where((group == 2)[None, :, None], 0.0, grouped), axis=1)  # x's infinities stay
         layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])  # x's columns fastest
         total = gl.convert_layout(total, layout)
         cols = col0 + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
@@ -181,10 +181,12 @@ def dx_beside_shrink_grad(g, weight, ds, lora_A, x, pieces):
     dx = torch.empty(M, K, device=x.device, dtype=x.dtype)
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     side.wait_stream(main)  # L and x are ready
-    with torch.cuda.stream(side):
-        ran = _launch_stream(x, left, dA, r, pieces, stream_programs)
-    ran = ran and gemm_rank_r_packed(g, weight, left, r_op, dx, programs)
-    main.wait_stream(side)  # before the caller frees or reuses what the pass reads, or reads dA
+    try:
+        with torch.cuda.stream(side):
+            ran = _launch_stream(x, left, dA, r, pieces, stream_programs)
+        ran = ran and gemm_rank_r_packed(g, weight, left, r_op, dx, programs)
+    finally:  # also if a launch raised: before anyone frees or reuses what the pass reads, or reads dA
+        main.wait_stream(side)
     return (dx, dA) if ran else None
 
 
@@ -195,6 +197,7 @@ def _launch_stream(x, left, dA, r, pieces, programs) -> bool:
     x_desc = TensorDescriptor.from_tensor(x, x_box, gl.NVMMASharedLayout.get_default_for(x_box, dtype))
     l_desc = TensorDescriptor.from_tensor(left, l_box, gl.NVMMASharedLayout.get_default_for(l_box, dtype))
     slots = _ring_slots(l_box[1])
-    return launch_or_fall_back(f"_shrink_grad_stream(pieces={pieces}, slots={slots})", lambda: _shrink_grad_stream[
+    key = f"_shrink_grad_stream(pieces={pieces}, rank={padded_rank(r)}, slots={slots}, dtype={x.dtype})"
+    return launch_or_fall_back(key, lambda: _shrink_grad_stream[
         (programs,)](x_desc, l_desc, dA, x.shape[0], x.shape[1], r, GROUP_ROWS=padded_rank(r), LOW_PIECES=pieces,
                      SLOTS=slots, LOAD_REGISTERS=LOAD_REGISTERS, num_warps=STREAM_WARPS))

@@ -163,8 +163,9 @@ class _LoraLinear(torch.autograd.Function):
 
 def _dx_and_shrink_grad(g, weight, ds, lora_A, x):
     """(dx, dA) without dropout: dx = g W + ds A and dA = ds^T x. On Hopper dx's Gluon GEMM runs on fewer SMs in the
-    same waves while dA streams on the SMs left free (_shrink_grad_beside_gluon.py); where none are, one Gluon GEMM
-    makes both, dA from two more steps a dx tile (_lora_matmul_gluon.dx_and_shrink_grad_gluon)."""
+    same waves while dA streams on the SMs left free (_shrink_grad_beside_gluon.py); where none are, or the stream
+    would outlast the GEMM, one Gluon GEMM makes both, dA from two more steps a dx tile
+    (_lora_matmul_gluon.dx_and_shrink_grad_gluon)."""
     # g: [M, N], weight: [N, K], ds: [M, r] fp32, lora_A: [r, K], x: [M, K]
     pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
     if tma_ready(g, weight):

@@ -216,8 +216,9 @@ def test_dx_beside_shrink_grad_declines_a_pass_that_would_outlast_the_gemm():
     weight = torch.randn(1024, 14336, dtype=torch.bfloat16)
     x = torch.randn(8192, 14336, dtype=torch.bfloat16)
     assert dx_beside_shrink_grad(g, weight, torch.randn(8192, 16), torch.randn(16, 14336), x, True) is None
-    # and one whose tiles fill the SMs' waves: nothing free
-    g, weight, x = torch.randn(33 * 128, 700, dtype=torch.bfloat16), torch.randn(700, 1024, dtype=torch.bfloat16), \
+    # and one whose tiles fill the SMs' waves: nothing free (H100 and H200 have 132 SMs)
+    assert sm_count(torch.device("cuda")) == 132
+    g, weight, x = torch.randn(33 * 128, 704, dtype=torch.bfloat16), torch.randn(704, 1024, dtype=torch.bfloat16), \
         torch.randn(33 * 128, 1024, dtype=torch.bfloat16)
     assert dx_beside_shrink_grad(g, weight, torch.randn(33 * 128, 16), torch.randn(16, 1024), x, True) is None
 

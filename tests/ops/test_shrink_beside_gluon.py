@@ -13,6 +13,7 @@ import torch
 from benchmarks.common import capture
 from lorafuse.ops import _shrink_beside_gluon
 from lorafuse.ops._shrink_beside_gluon import shrink_matmul_beside
+from lorafuse.ops._tiles import sm_count
 from lorafuse.ops.lora_matmul import tma_ready
 from tests.ops.test_lora_linear import check
 from tests.ops.test_shrink_matmul_gluon import SCALE, assert_matches_float64, hopper, operands
@@ -63,7 +64,8 @@ def test_shrink_matmul_beside_repeats_its_bits_and_replays_them_from_a_graph(mon
 
 @hopper
 def test_shrink_matmul_beside_declines():
-    # 33 x 4 tiles: a whole wave on 132 SMs, none free
+    # 33 x 4 tiles: a whole wave on 132 SMs (H100 and H200 have 132), none free
+    assert sm_count(torch.device("cuda")) == 132
     x, weight, lora_A, lora_B, bias = operands(33 * 128, 1000, 1000, 16, torch.bfloat16, torch.float32, None)
     assert shrink_matmul_beside(x, weight, lora_A, lora_B, SCALE, bias) is None
     # x of 8192 x 14336 (235 MB) on 4 free SMs against a GEMM of 512 outputs: the stream would fall far behind
