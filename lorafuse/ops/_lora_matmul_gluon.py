@@ -542,7 +542,9 @@ def gemm_rank_r_packed(a, b, left, r_op, c, programs, row_counts=None) -> bool:
     the kernel ran (_gluon.launch_or_fall_back). row_counts: L's rows are being written by the kernel launched just
     before, which counts each row block in (int32 [row blocks]); this one is launched as its programmatic dependent
     (launch_pdl: it starts once every program of that kernel has started, so that it never waits on one that has
-    not) and waits for a row block's count before loading its L rows."""
+    not) and waits for a row block's count before loading its L rows. Where the launch is not a programmatic
+    dependent after all (PDL unsupported, another kernel enqueued between the two), it starts after that kernel has
+    ended: slower, never stuck."""
     # a: [M, K], b: [K, N] (K-major or contiguous), left: [M, W], r_op: [N, W] if b is K-major else [W, N], c: [M, N]
     M, K = a.shape
     N = b.shape[1]
