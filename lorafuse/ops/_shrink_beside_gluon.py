@@ -35,13 +35,12 @@ from ._gluon import (TensorDescriptor, fence_proxy_async_global, gl, gluon, laun
                      ready_barriers, tma, tma_aligned, warpgroup_mma, warpgroup_mma_wait)
 from ._lora_matmul_gluon import (BLOCK_M, BLOCK_N, LOAD_REGISTERS, gemm_rank_r_packed, rank_r_operands,
                                  rank_r_width)
-from ._shrink_grad_beside_gluon import GEMM_FLOPS_PER_S, STREAM_BYTES_PER_S, same_waves_programs
+from ._shrink_grad_beside_gluon import (GEMM_FLOPS_PER_S, STREAM_BLOCK, STREAM_BYTES_PER_S, STREAM_RING_BYTES,
+                                        STREAM_WARPS, same_waves_programs)
 from ._shrink_matmul_gluon import _shrink_rows, shrink_matmul_ready
 from ._tiles import sm_count
 
-STREAM_K = 128  # x's box: BLOCK_M rows (one GEMM row block, one count) by STREAM_K columns
-STREAM_WARPS = 4
-STREAM_RING_BYTES = 200 * 1024
+STREAM_K = STREAM_BLOCK[1]  # x's box: BLOCK_M rows (one GEMM row block, one count) by STREAM_K columns
 MAX_SHRINK_ROWS = 64  # lora_A's rows (or pieces' rows) a step: two [128, 64] float32 sums in registers
 # The stream's predicted time over the GEMM's, at most. At STREAM_BYTES_PER_S the probe's shapes predict 0.21-0.89,
 # and the stream won at every one of them but 14336 -> 4096 with bf16 adapters (0.72; within 0.01) (H100, layer bench

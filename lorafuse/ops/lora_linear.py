@@ -104,12 +104,11 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
         beside = shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias)
         if beside is not None:  # the shrink streamed on the SMs the GEMM leaves free (Hopper, _shrink_beside_gluon.py)
             return (*beside, None)
-    if (gemm == "triton" and dropout_p == 0.0 and act == 0 and weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N
-            and tma_ready(x, weight.t()) and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)):
-        fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device),
-                                    fixed_order=fixed_order)
-        if fused is not None:  # the shrink inside the GEMM's K-loop (Hopper, _shrink_matmul_gluon.py)
-            return (*fused, None)
+        if weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N and shrink_matmul_ready(x, weight, lora_A, lora_B, bias):
+            fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device),
+                                        fixed_order=fixed_order)
+            if fused is not None:  # the shrink inside the GEMM's K-loop (Hopper, _shrink_matmul_gluon.py)
+                return (*fused, None)
     s = lora_shrink(x, lora_A, dropout_p, seed)
     if gemm == "triton":
         y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, store_z=store_z, tma=True)
@@ -172,10 +171,10 @@ def _dx_and_shrink_grad(g, weight, ds, lora_A, x):
         beside = dx_beside_shrink_grad(g, weight, ds, lora_A, x, pieces)
         if beside is not None:
             return beside
-    if tma_ready(g, weight) and shrink_grad_gemm_ready(g, weight, lora_A, x, pieces):
-        fused = dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sm_count(x.device))
-        if fused is not None:
-            return fused
+        if shrink_grad_gemm_ready(g, weight, lora_A, x, pieces):
+            fused = dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sm_count(x.device))
+            if fused is not None:
+                return fused
     dA = lora_shrink_backward(ds, x, lora_A)
     dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0, tma=True)
     return dx, dA
