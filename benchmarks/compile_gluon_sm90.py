@@ -91,6 +91,7 @@ def launch_every_kernel(expand, matmul, shrink_backward, shrink_beside, shrink_g
                 mock.patch.object(shrink_beside, "MAX_STREAM_SHARE", float("inf")):
             for bias in (None, torch.randn(N, dtype=torch.bfloat16)):
                 assert shrink_beside.shrink_matmul_beside(x, weight, A, B, 2.0, bias) is not None
+            assert shrink_beside.shrink_matmul_beside(x, weight, A, B, 2.0, None, 0.05, seed) is not None
         if pieces:
             expand.expand_backward_gluon(dy, s, B, 2.0, sms)
         shrink_backward.shrink_backward_gluon(ds, x, A, 0.05, seed, torch.empty_like(x), sms)

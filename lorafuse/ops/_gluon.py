@@ -74,6 +74,11 @@ def launch_or_fall_back(kernel: str, launch) -> bool:
     return True
 
 
+def failed(kernel: str) -> bool:
+    """Whether the Gluon kernel `kernel` (launch_or_fall_back's key) failed its first launch: it is off."""
+    return kernel in _broken
+
+
 if gluon is not None:
     @gluon.jit
     def ready_barriers(buffers: gl.constexpr):

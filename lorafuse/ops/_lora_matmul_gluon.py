@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces_reference, split_bf16
-from ._gluon import (TensorDescriptor, fence_async_shared, fence_proxy_async_global, gl, gluon, launch_or_fall_back,
-                     mbarrier, ready_barriers, runs_gluon_hopper, tma, warpgroup_mma, warpgroup_mma_wait)
+from ._gluon import (TensorDescriptor, failed, fence_async_shared, fence_proxy_async_global, gl, gluon,
+                     launch_or_fall_back, mbarrier, ready_barriers, runs_gluon_hopper, tma, warpgroup_mma,
+                     warpgroup_mma_wait)
 from ._tiles import MAX_PARTS_BYTES, atomic_partial_sums, lora_in_fp32, padded_rank, store_partial, summed
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
@@ -94,17 +95,37 @@ def rank_r_operands_reference(low, right, scale, bias, dtype, pieces, all_low_pi
     return torch.cat(left, 1), torch.cat(right, 0)
 
 
+REGISTER_ORDER_BLOCK = tl.constexpr(64)  # columns a relabelling spans: _shrink_beside_gluon.THREAD_COLUMNS
+
+
+@triton.jit
+def register_order_column(c):
+    # operand column c (0..63) of _shrink_beside_gluon's masked stream -> the column of x (and of lora_A) it holds:
+    # c = 16c' + 8b + 2t + h holds 16t + 4c' + 2b + h (a lane's 16 neighbouring columns of x are its operand registers)
+    return (c & 1) | ((c >> 3) & 1) << 1 | ((c >> 4) & 3) << 2 | ((c >> 1) & 3) << 4
+
+
+def register_order_reference(t: torch.Tensor) -> torch.Tensor:
+    """t's columns ([..., K]) in register_order_column's order within blocks of 64, zero-padded to a multiple of 64."""
+    # t: [..., K] -> [..., cdiv(K, 64) * 64]
+    padded = F.pad(t, (0, -t.shape[-1] % REGISTER_ORDER_BLOCK.value))
+    blocks = padded.reshape(*t.shape[:-1], -1, 4, 4, 2, 2)  # column 16t + 4c + 2b + h of each block
+    return blocks.movedim(-4, -2).reshape(padded.shape)  # to 16c + 8b + 2t + h
+
+
 @triton.jit
 def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, split_ptr, split_out_ptr, zero_ptr, M, N, rank, scale,
-                 stride_rr, stride_rn, width, group_width, split_n, zero_n, PIECES: tl.constexpr,
-                 BIAS_COLUMNS: tl.constexpr, GROUPS: tl.constexpr, R_K_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
-                 ZERO: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr, FLAT: tl.constexpr):
+                 stride_rr, stride_rn, width, group_width, split_cols, split_out_cols, split_n, zero_n,
+                 PIECES: tl.constexpr, BIAS_COLUMNS: tl.constexpr, GROUPS: tl.constexpr, R_K_MAJOR: tl.constexpr,
+                 SPLIT: tl.constexpr, REGISTER_ORDER: tl.constexpr, ZERO: tl.constexpr, W: tl.constexpr,
+                 BLOCK: tl.constexpr, FLAT: tl.constexpr):
     # low: [M, rank] fp32 contiguous; right: [rank, N] (strides stride_rr, stride_rn); bias: [N]
     # L: [M, width], R: [N, width] when R_K_MAJOR else [width, N]; W: width rounded up to a power of two
-    # split: [split_n] fp32 -> split_out: [SPLIT, split_n] (its bf16 pieces, or with SPLIT == 1 its cast); zero:
-    # [zero_n] int32. Programs in turn: cdiv(M, BLOCK) write rows of L, cdiv(N, BLOCK) columns of R, then FLAT
-    # elements each of split's pieces (with SPLIT) and of zeros (with ZERO). Column c of L (row of R) holds group
-    # c // group_width (of GROUPS: _low_groups) of rank index c % group_width (zero past rank), then the bias
+    # split: [rows, split_cols] fp32 -> split_out: [SPLIT, rows, split_out_cols] (its bf16 pieces, or with SPLIT == 1
+    # its cast; with REGISTER_ORDER its columns in register_order_column's order, zero-padded), split_n of them a
+    # piece; zero: [zero_n] int32. Programs in turn: cdiv(M, BLOCK) write rows of L, cdiv(N, BLOCK) columns of R,
+    # then FLAT elements each of split's pieces (with SPLIT) and of zeros (with ZERO). Column c of L (row of R) holds
+    # group c // group_width (of GROUPS: _low_groups) of rank index c % group_width (zero past rank), then the bias
     # columns, then zeros.
     dtype = l_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -151,43 +172,58 @@ def _pack_rank_r(low_ptr, right_ptr, bias_ptr, l_ptr, r_ptr, split_ptr, split_ou
     elif pid < split_end:
         offs = (pid - right_end) * FLAT + tl.arange(0, FLAT)
         ok = offs < split_n
-        t = tl.load(split_ptr + offs, mask=ok, other=0.0)
+        source = offs
+        if REGISTER_ORDER:
+            col = offs % split_out_cols
+            col = col // REGISTER_ORDER_BLOCK * REGISTER_ORDER_BLOCK + register_order_column(col % REGISTER_ORDER_BLOCK)
+            source = offs // split_out_cols * split_cols + col
+            ok = ok & (col < split_cols)
+        t = tl.load(split_ptr + source, mask=ok, other=0.0)
         if SPLIT == 3:
             hi, mid, lo = split_bf16(t)
-            tl.store(split_out_ptr + offs, hi, mask=ok)
-            tl.store(split_out_ptr + split_n + offs, mid, mask=ok)
-            tl.store(split_out_ptr + 2 * split_n + offs, lo, mask=ok)
+            stored = offs < split_n  # the padding's zeros too
+            tl.store(split_out_ptr + offs, hi, mask=stored)
+            tl.store(split_out_ptr + split_n + offs, mid, mask=stored)
+            tl.store(split_out_ptr + 2 * split_n + offs, lo, mask=stored)
         else:
-            tl.store(split_out_ptr + offs, t.to(split_out_ptr.dtype.element_ty), mask=ok)
+            tl.store(split_out_ptr + offs, t.to(split_out_ptr.dtype.element_ty), mask=offs < split_n)
     elif ZERO:
         offs = (pid - split_end) * FLAT + tl.arange(0, FLAT)
         tl.store(zero_ptr + offs, tl.zeros([FLAT], tl.int32), mask=offs < zero_n)
 
 
-def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major, split=None, zeroed=None, all_low_pieces=False):
+def rank_r_operands(low, right, scale, bias, dtype, pieces, r_k_major, split=None, zeroed=None, all_low_pieces=False,
+                    split_register_order=False, left=None):
     """(L [M, width], R [N, width] if r_k_major else [width, N], split's pieces or None) in `dtype`:
     rank_r_operands_reference zero-padded to rank_r_width columns. The same launch also writes the bf16 pieces of a
     float32 `split` ([3, *split.shape], or with `pieces` False split cast to dtype: [1, *split.shape]) and zeroes the
     int32 tensor `zeroed`: the operands that _shrink_matmul_gluon's GEMM reads, without a launch each.
-    all_low_pieces: as rank_r_operands_reference's (the dx GEMM that also makes dA)."""
-    # low: [M, r] fp32, right: [r, N] (any strides), bias: [N] or None, split: fp32 (any shape), zeroed: int32
+    split_register_order: split's columns as register_order_reference orders them (the masked shrink's lora_A),
+    padded to a multiple of 64. all_low_pieces: as rank_r_operands_reference's (the dx GEMM that also makes dA).
+    left: a contiguous buffer for L (the first rows of a longer L, for instance), or None for a new one."""
+    # low: [M, r] fp32, right: [r, N] (any strides), bias: [N] or None, zeroed: int32; split: [..., K] fp32 (with
+    # pieces False: any float dtype)
     M, r, N = low.shape[0], right.shape[0], right.shape[1]
     bias_columns = 0 if bias is None else 1 if bias.dtype == dtype else 2
     width = rank_r_width(r, pieces, bias_columns, all_low_pieces)
-    left = torch.empty(M, width, device=low.device, dtype=dtype)
+    if left is None:
+        left = torch.empty(M, width, device=low.device, dtype=dtype)
+    assert left.shape == (M, width) and left.dtype == dtype and left.is_contiguous()
     r_out = torch.empty((N, width) if r_k_major else (width, N), device=low.device, dtype=dtype)
     split_parts = 0 if split is None else 3 if pieces else 1
     split = low if split is None else split.contiguous()  # a float32 tensor that no program reads without `split`
-    split_out = torch.empty(split_parts, *split.shape, device=low.device, dtype=dtype)
+    out_cols = split.shape[-1] + (-split.shape[-1] % REGISTER_ORDER_BLOCK.value if split_register_order else 0)
+    split_out = torch.empty(split_parts, *split.shape[:-1], out_cols, device=low.device, dtype=dtype)
+    split_n = split_out[0].numel() if split_parts else 0
     zero_n = 0 if zeroed is None else zeroed.numel()
     block, flat = 64, 1024
-    programs = triton.cdiv(M, block) + triton.cdiv(N, block) + triton.cdiv(split.numel(), flat) * (split_parts > 0) + \
-        triton.cdiv(zero_n, flat)
+    programs = triton.cdiv(M, block) + triton.cdiv(N, block) + triton.cdiv(split_n, flat) + triton.cdiv(zero_n, flat)
     _pack_rank_r[(programs,)](
         low.contiguous(), right, bias, left, r_out, split, split_out, zeroed, M, N, r, scale, right.stride(0),
-        right.stride(1), width, _group_width(r, pieces, all_low_pieces), split.numel(), zero_n, PIECES=pieces,
-        BIAS_COLUMNS=bias_columns, GROUPS=_low_groups(pieces, all_low_pieces), R_K_MAJOR=r_k_major, SPLIT=split_parts,
-        ZERO=zeroed is not None, W=triton.next_power_of_2(width), BLOCK=block, FLAT=flat)
+        right.stride(1), width, _group_width(r, pieces, all_low_pieces), split.shape[-1], out_cols, split_n, zero_n,
+        PIECES=pieces, BIAS_COLUMNS=bias_columns, GROUPS=_low_groups(pieces, all_low_pieces), R_K_MAJOR=r_k_major,
+        SPLIT=split_parts, REGISTER_ORDER=split_register_order, ZERO=zeroed is not None,
+        W=triton.next_power_of_2(width), BLOCK=block, FLAT=flat)
     return left, r_out, split_out if split_parts else None
 
 
@@ -537,6 +573,18 @@ def lora_matmul_gluon(a, b, low, right, scale, bias, pieces, sms):
     return c if gemm_rank_r_packed(a, b, left, r_op, c, programs) else None
 
 
+def _gemm_rank_r_key(b_k_major: bool, width: int, wait_rows: bool) -> str:
+    # one key a compiled variant: one that ran must not hide another's first failure
+    return f"_gemm_rank_r(b_k_major={b_k_major}, rank_steps={triton.cdiv(width, BLOCK_K)}, wait_rows={wait_rows})"
+
+
+def gemm_rank_r_failed(b, width: int, wait_rows: bool) -> bool:
+    """Whether gemm_rank_r_packed's variant for b's layout, L's width and wait_rows failed its first launch (logged
+    once): the streams beside it check first, so as not to run before a GEMM that falls back."""
+    # b: [K, N] (K-major or contiguous)
+    return failed(_gemm_rank_r_key(b.stride(0) == 1, width, wait_rows))
+
+
 def gemm_rank_r_packed(a, b, left, r_op, c, programs, row_counts=None) -> bool:
     """c = a @ b + left @ r_op through _gemm_rank_r on `programs` programs (rank_r_operands packed L and R); whether
     the kernel ran (_gluon.launch_or_fall_back). row_counts: L's rows are being written by the kernel launched just
@@ -552,9 +600,8 @@ def gemm_rank_r_packed(a, b, left, r_op, c, programs, row_counts=None) -> bool:
     descriptors, _, _ = _descriptors(a, b, left, r_op, c, b_k_major)
     rank_steps = triton.cdiv(left.shape[1], BLOCK_K)
     wait_rows = row_counts is not None
-    # one key a compiled variant: one that ran must not hide another's first failure
     return launch_or_fall_back(
-        f"_gemm_rank_r(b_k_major={b_k_major}, rank_steps={rank_steps}, wait_rows={wait_rows})",
+        _gemm_rank_r_key(b_k_major, left.shape[1], wait_rows),
         lambda: _gemm_rank_r[(programs,)](*descriptors, row_counts if wait_rows else c, M, N, K, RANK_STEPS=rank_steps,
                                           B_K_MAJOR=b_k_major, NUM_BUFFERS=NUM_BUFFERS, GROUP_M=GROUP_M,
                                           LOAD_REGISTERS=LOAD_REGISTERS, WAIT_ROWS=wait_rows, num_warps=WARPS,

@@ -38,8 +38,8 @@ import triton
 
 from ._gluon import TensorDescriptor, gl, gluon, launch_or_fall_back, mbarrier, ready_barriers, tma, warpgroup_mma, \
     warpgroup_mma_wait
-from ._lora_matmul_gluon import (BLOCK_M, BLOCK_N, LOAD_REGISTERS, gemm_rank_r_packed, gluon_gemm_ready,
-                                 rank_r_operands)
+from ._lora_matmul_gluon import (BLOCK_M, BLOCK_N, LOAD_REGISTERS, gemm_rank_r_failed, gemm_rank_r_packed,
+                                 gluon_gemm_ready, rank_r_operands, rank_r_width)
 from ._tiles import padded_rank, sm_count
 
 STREAM_BLOCK = (128, 128)  # x's box: rows, columns
@@ -162,7 +162,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def dx_beside_shrink_grad(g, weight, ds, lora_A, x, pieces):
     """(dx, dA) of the layer's backward without dropout: dx = g W + ds A on _gemm_rank_r, dA = ds^T x ([r, K] fp32)
     on the SMs its last wave leaves free, at the same time. None where no SM is free, the pass would outlast the
-    GEMM, the kernels do not take the operands, or a kernel failed its first launch (logged once)."""
+    GEMM, the kernels do not take the operands, or a kernel failed its first launch (logged once; the GEMM's failure
+    is checked before the pass is launched)."""
     # g: [M, N], weight: [N, K], ds: [M, r] fp32, lora_A: [r, K], x: [M, K]
     M, N = g.shape
     K, r = weight.shape[1], lora_A.shape[0]
@@ -174,7 +175,8 @@ def dx_beside_shrink_grad(g, weight, ds, lora_A, x, pieces):
     programs = same_waves_programs(triton.cdiv(M, BLOCK_M) * triton.cdiv(K, BLOCK_N), sms)
     stream_programs = min(sms - programs, triton.cdiv(K, STREAM_BLOCK[1]))
     pass_s = x.numel() * x.element_size() / (max(stream_programs, 1) * STREAM_BYTES_PER_S[pieces])
-    if stream_programs == 0 or pass_s > 2 * M * N * K / GEMM_FLOPS_PER_S:
+    if (stream_programs == 0 or pass_s > 2 * M * N * K / GEMM_FLOPS_PER_S
+            or gemm_rank_r_failed(weight, rank_r_width(r, pieces, 0, all_low_pieces=pieces), False)):
         return None
     left, r_op, _ = rank_r_operands(ds, lora_A, 1.0, None, g.dtype, pieces, False, all_low_pieces=pieces)
     dA = torch.empty(r, K, device=x.device, dtype=torch.float32)

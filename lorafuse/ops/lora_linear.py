@@ -6,10 +6,12 @@ TRITON_INTERPRET=1), `lora_linear_reference` otherwise, with the reason logged o
 Two back-ends for the frozen-weight GEMMs (x W^T forward, g W backward), chosen by the
 LORAFUSE_GEMM environment variable or the `gemm` argument:
   "triton"  the GEMM is `lora_matmul` (TMA tiles on Hopper), with the rank-r term, bias and
-            activation in its epilogue: no pass over y, nor over dx without dropout; on Hopper without
-            dropout or activation, up to 4096 output columns, the forward's shrink runs inside that GEMM
-            too (_shrink_matmul_gluon.py), and without dropout the backward's dx GEMM also makes dA
-            (_lora_matmul_gluon.dx_and_shrink_grad_gluon);
+            activation in its epilogue: no pass over y, nor over dx without dropout. On Hopper without
+            activation the forward's shrink streams beside that GEMM on the SMs its last wave leaves free
+            (_shrink_beside_gluon.py; with dropout, the rows the stream would not make in time are shrunk
+            first), or without dropout, up to 4096 output columns, runs inside it (_shrink_matmul_gluon.py);
+            without dropout the backward's dA streams beside the dx GEMM (_shrink_grad_beside_gluon.py) or
+            runs inside it (_lora_matmul_gluon.dx_and_shrink_grad_gluon);
   "cublas"  cuBLAS, accumulating into a buffer that the adapter kernels pre-wrote
             (addmm with beta=1): one extra write of y and of dx;
   "auto"    the one measured faster for the shape and device (benchmarks/bench_lora_layer.py).
@@ -100,11 +102,12 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
         y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, seed, threshold, drop_scale,
                            shrink_weight=lora_A, mask_input=dropout_p > 0.0, store_z=store_z)
         return y, s, z
-    if gemm == "triton" and dropout_p == 0.0 and act == 0 and tma_ready(x, weight.t()):
-        beside = shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias)
+    if gemm == "triton" and act == 0 and tma_ready(x, weight.t()):
+        beside = shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias, dropout_p, seed)
         if beside is not None:  # the shrink streamed on the SMs the GEMM leaves free (Hopper, _shrink_beside_gluon.py)
             return (*beside, None)
-        if weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N and shrink_matmul_ready(x, weight, lora_A, lora_B, bias):
+        if (dropout_p == 0.0 and weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N
+                and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)):
             fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device),
                                         fixed_order=fixed_order)
             if fused is not None:  # the shrink inside the GEMM's K-loop (Hopper, _shrink_matmul_gluon.py)

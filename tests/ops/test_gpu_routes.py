@@ -20,14 +20,16 @@ Run on the GPU machine in the op tests' GPU mode:
     LORAFUSE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest -q tests/ops/test_gpu_routes.py
 """
 import importlib
+from unittest import mock
 
 import pytest
 import torch
 
 from benchmarks.common import capture
-from lorafuse.ops import lora_linear, lora_linear_reference
+from lorafuse.ops import _gluon, _shrink_grad_beside_gluon, lora_linear, lora_linear_reference
 from lorafuse.ops._bf16_pieces import uses_bf16_pieces
-from lorafuse.ops._lora_matmul_gluon import dx_and_shrink_grad_gluon, shrink_grad_gemm_ready
+from lorafuse.ops._lora_matmul_gluon import (_gemm_rank_r_key, dx_and_shrink_grad_gluon, rank_r_width,
+                                             shrink_grad_gemm_ready)
 from lorafuse.ops._shrink_grad_beside_gluon import dx_beside_shrink_grad
 from lorafuse.ops._tiles import padded_rank, sm_count
 from lorafuse.ops.lora_decode import lora_decode, lora_decode_reference
@@ -186,19 +188,20 @@ def assert_dx_and_dA(dx, dA, g, weight, ds, A, x, pieces):
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon GEMM runs on compute capability 9")
 @pytest.mark.parametrize("m, k, n", [(1000, 2000, 8200), (8100, 2000, 8200)], ids=["one_wave", "last_wave_part_full"])
-@pytest.mark.parametrize("adapter_dtype, math, r", [
-    (torch.float32, "exact", 1), (torch.float32, "exact", 16), (torch.bfloat16, "exact", 5),
-    (torch.bfloat16, "exact", 64), (torch.float32, "fast", 24)],
-    ids=["pieces_r1", "pieces_r16", "bf16_r5", "bf16_r64", "fast_r24"])
-def test_dx_beside_shrink_grad_matches_float64_and_replays(m, k, n, adapter_dtype, math, r, monkeypatch):
+@pytest.mark.parametrize("dtype, adapter_dtype, math, r", [
+    (torch.bfloat16, torch.float32, "exact", 1), (torch.bfloat16, torch.float32, "exact", 16),
+    (torch.bfloat16, torch.bfloat16, "exact", 5), (torch.bfloat16, torch.bfloat16, "exact", 64),
+    (torch.bfloat16, torch.float32, "fast", 24), (torch.float16, torch.float16, "exact", 16)],
+    ids=["pieces_r1", "pieces_r16", "bf16_r5", "bf16_r64", "fast_r24", "fp16_r16"])
+def test_dx_beside_shrink_grad_matches_float64_and_replays(m, k, n, dtype, adapter_dtype, math, r, monkeypatch):
     # dx = g W + ds A on the Gluon GEMM with fewer programs in as many waves, dA = ds^T x beside it on a second
     # stream: odd edges; "one_wave": 64 tiles, 68 SMs free (16 column blocks of x: 16 stream programs);
     # "last_wave_part_full": 512 tiles (3.88 waves), 4 free.
     # Captured in a CUDA graph (the second stream forks from and joins the captured one), the replay gives the
     # same bits as the eager call.
     monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
-    g, weight, ds, A, x = backward_operands(m, k, n, r, torch.bfloat16, adapter_dtype)
-    pieces = uses_bf16_pieces(torch.bfloat16, adapter_dtype)
+    g, weight, ds, A, x = backward_operands(m, k, n, r, dtype, adapter_dtype)
+    pieces = uses_bf16_pieces(dtype, adapter_dtype)
     dx, dA = dx_beside_shrink_grad(g, weight, ds, A, x, pieces)
     assert_dx_and_dA(dx, dA, g, weight, ds, A, x, pieces)
     graph, (dx_replay, dA_replay) = capture(lambda: dx_beside_shrink_grad(g, weight, ds, A, x, pieces))
@@ -216,6 +219,13 @@ def test_dx_beside_shrink_grad_declines_a_pass_that_would_outlast_the_gemm():
     weight = torch.randn(1024, 14336, dtype=torch.bfloat16)
     x = torch.randn(8192, 14336, dtype=torch.bfloat16)
     assert dx_beside_shrink_grad(g, weight, torch.randn(8192, 16), torch.randn(16, 14336), x, True) is None
+    # and one whose GEMM variant failed its first launch (logged, off for the process): declined before the pass
+    g, weight, x = torch.randn(8100, 8200, dtype=torch.bfloat16), torch.randn(8200, 2000, dtype=torch.bfloat16), \
+        torch.randn(8100, 2000, dtype=torch.bfloat16)
+    key = _gemm_rank_r_key(False, rank_r_width(16, True, 0, all_low_pieces=True), False)
+    with mock.patch.object(_gluon, "_broken", {key}), \
+            mock.patch.object(_shrink_grad_beside_gluon, "_launch_stream", side_effect=AssertionError("launched")):
+        assert dx_beside_shrink_grad(g, weight, torch.randn(8100, 16), torch.randn(16, 2000), x, True) is None
     # and one whose tiles fill the SMs' waves: nothing free (H100 and H200 have 132 SMs)
     assert sm_count(torch.device("cuda")) == 132
     g, weight, x = torch.randn(33 * 128, 704, dtype=torch.bfloat16), torch.randn(704, 1024, dtype=torch.bfloat16), \

@@ -12,7 +12,8 @@ import torch
 from lorafuse.ops import _gluon
 
 from lorafuse.ops._bf16_pieces import bf16_pieces_reference
-from lorafuse.ops._lora_matmul_gluon import rank_r_operands, rank_r_operands_reference, rank_r_width
+from lorafuse.ops._lora_matmul_gluon import (rank_r_operands, rank_r_operands_reference, rank_r_width,
+                                             register_order_reference)
 from lorafuse.ops._tiles import padded_rank
 
 SCALE = 1.3
@@ -107,6 +108,27 @@ def test_the_same_launch_splits_a_weight_and_zeroes_a_buffer(pieces, split_shape
     torch.testing.assert_close(r_op.t()[:ref_right.shape[0]].float(), ref_right.float(), rtol=2**-7,
                                atol=2**-22 * ref_right.float().abs().max().item())
     assert left.shape[0] == 0
+
+
+@pytest.mark.parametrize("pieces", [True, False], ids=["fp32_pieces", "cast"])
+@pytest.mark.parametrize("cols", [1030, 64, 5], ids=["odd", "one_block", "part_block"])
+def test_a_split_weight_in_register_order(pieces, cols):
+    # the masked stream's lora_A (_shrink_beside_gluon): its pieces (or cast) with each 64 columns in
+    # register_order_column's order, zero-padded to a multiple of 64
+    low, right, _ = rank_r_inputs(0, 136, 16, torch.float32, torch.float32)
+    weight = torch.randn(16, cols) / 7
+    _, _, split = rank_r_operands(low, right, SCALE, None, torch.bfloat16, pieces, True, split=weight,
+                                  split_register_order=True)
+    expected = bf16_pieces_reference(weight) if pieces else weight.to(torch.bfloat16)[None]
+    assert torch.equal(split, register_order_reference(expected))
+    # the order is a permutation of each block's columns: sorted back, the padded weight again
+    order = register_order_reference(torch.arange(64.0)).long()
+    assert sorted(order.tolist()) == list(range(64))
+    # operand column 16c + 8b + 2t + h holds x's column 16t + 4c + 2b + h
+    assert [order[c].item() for c in (1, 2, 8, 16, 63)] == [1, 16, 2, 4, 63]
+    blocks = order + torch.arange(0, split.shape[-1], 64)[:, None]
+    restored = torch.empty_like(split).index_copy_(-1, blocks.flatten(), split)
+    assert torch.equal(restored[..., :cols], expected) and not restored[..., cols:].any()
 
 
 def test_float16_operands_with_a_float32_bias():

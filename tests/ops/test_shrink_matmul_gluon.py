@@ -53,15 +53,17 @@ def operands(m, k, n, r, dtype, adapter_dtype, bias_dtype):
     return x, weight, lora_A, lora_B, bias
 
 
-def assert_matches_float64(y, s, x, weight, lora_A, lora_B, bias):
+def assert_matches_float64(y, s, x, weight, lora_A, lora_B, bias, keep=None):
     # s = x A^T and y = x W^T + SCALE * s B^T + bias against float64, by DESIGN.md's rule in x's dtype (s in float32
-    # where the adapters are float32-class: bf16 pieces of lora_A)
+    # where the adapters are float32-class: bf16 pieces of lora_A); keep: dropout's [M, K] multipliers (the keep mask
+    # times 1 / (1 - p)), applied to s's x
     dtype = x.dtype
-    s_exact = x.double() @ lora_A.double().t()
+    x_shrunk = x.double() if keep is None else x.double() * keep.double()
+    s_exact = x_shrunk @ lora_A.double().t()
     if lora_in_fp32(dtype, lora_A.dtype):
-        assert_close(s, s_exact, torch.float32, x.float() @ lora_A.float().t(), "s")
+        assert_close(s, s_exact, torch.float32, x_shrunk.float() @ lora_A.float().t(), "s")
     else:
-        assert_close(s, s_exact, dtype, x @ lora_A.to(dtype).t(), "s")
+        assert_close(s, s_exact, dtype, x_shrunk.to(dtype) @ lora_A.to(dtype).t(), "s")
     y_exact = lora_matmul_reference(x, weight.t(), s_exact, lora_B.t(), SCALE, bias, dtype=torch.float64)
     y_plain = lora_matmul_reference(x, weight.t(), s_exact.float(), lora_B.t(), SCALE, bias)
     assert_close(y, y_exact, dtype, y_plain, "y")
