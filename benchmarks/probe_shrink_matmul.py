@@ -57,7 +57,10 @@ def separate_dropout(x, weight, lora_A, lora_B, seed):
 
 
 def beside_dropout(x, weight, lora_A, lora_B, seed):
-    return _shrink_beside_gluon.shrink_matmul_beside(x, weight, lora_A, lora_B, SCALE, None, DROPOUT, seed)
+    # its gate is the head's size (head_row_blocks), not MAX_STREAM_SHARE
+    result = _shrink_beside_gluon.shrink_matmul_beside(x, weight, lora_A, lora_B, SCALE, None, DROPOUT, seed)
+    assert result is not None, "the masked route declined this shape: too few row blocks left to stream"
+    return result
 
 
 def rel_err(got, exact):

@@ -20,7 +20,7 @@ K-loop. No atomics but the counts: the same bits every run, as inference and det
 - The first wave's tiles need the first row blocks by the end of their K-loop, and each wave as many row blocks
   more: the route is taken only where the stream is predicted to stay ahead (MAX_STREAM_SHARE).
 
-With dropout the mask's Philox draws bound the stream: 24-31 GB/s of x an SM against 56-82 without (H100, 4 programs
+With dropout the mask's Philox draws bound the stream: 24-31 GB/s of x an SM against 51-82 without (H100, 4 programs
 alone), too slow to shrink all of x within the GEMM at most shapes. So the stream takes only the row blocks it can
 make in time, from the end; lora_shrink's masked pass shrinks the head before it on every SM (head_row_blocks), and
 the packing launch writes the head's L rows. The stream's warps (8: the draws take most of their issue slots) draw
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import uses_bf16_pieces
-from ._gluon import (TensorDescriptor, fence_proxy_async_global, gl, gluon, launch_or_fall_back, mbarrier,
+from ._gluon import (TensorDescriptor, failed, fence_proxy_async_global, gl, gluon, launch_or_fall_back, mbarrier,
                      ready_barriers, tma, tma_aligned, warpgroup_mma, warpgroup_mma_wait)
 from ._lora_matmul_gluon import (BLOCK_M, BLOCK_N, GROUP_M, LOAD_REGISTERS, gemm_rank_r_failed, gemm_rank_r_packed,
                                  rank_r_operands, rank_r_width)
@@ -61,8 +61,10 @@ MAX_STREAM_SHARE = 1.0
 # Bytes of x a stream program masks and reads a second beside the GEMM (H100; float32 adapters as pieces, or 16-bit
 # ones): alone it streamed 24-27 and 29-31 GB/s (NOTES_lora_layer.md, twenty-fourth session)
 MASKED_STREAM_BYTES_PER_S = {True: 20e9, False: 24e9}
-MIN_STREAMED_BLOCKS = 8  # fewer, and lora_shrink's pass over all of x costs about what the stream would save
-MASKED_WARPS = 8  # with dropout: the mask's draws take most of the stream's issue slots, so two warpgroups share them
+# Fewer row blocks left to stream, and the route declines: too few to pay for the stream's launch (a guess, not
+# measured)
+MIN_STREAMED_BLOCKS = 8
+MASKED_WARPS = 8  # with dropout: two warpgroups issue the mask's draws, the stream's bound (4 warps were not tried)
 
 
 def _ring_slots(shrink_rows: int) -> int:
@@ -122,6 +124,7 @@ if gluon is not None:
         # 64c + 16t + 4c' + 2b + h -> 64c + 16c' + 8b + 2t + h) as the warpgroup MMA's register operand
         BM: gl.constexpr = x_slot.type.shape[0]
         BK: gl.constexpr = x_slot.type.shape[1]
+        gl.static_assert(gl.num_warps() == 8 and BM == 128 and BK == 128, "THREAD_COLUMNS: 8 warps, [128, 128] boxes")
         x = x_slot.load(THREAD_COLUMNS) * keep
         x = gl.reshape(gl.permute(gl.reshape(x, [BM, BK // 64, 4, 4, 2, 2]), (0, 1, 3, 4, 2, 5)), [BM, BK])
         return gl.convert_layout(x, operand_layout, assert_trivial=True)
@@ -269,9 +272,11 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias, dropout_p=0.0, 
             return None
     bias_columns = 0 if bias is None else 1 if bias.dtype == x.dtype else 2
     width = rank_r_width(r, pieces, bias_columns)
-    if gemm_rank_r_failed(weight.t(), width, True):  # the GEMM would fall back after the stream: neither runs
+    stream_key = (f"_shrink_stream(pieces={pieces}, r={r}, bias_columns={bias_columns}, dtype={x.dtype}, "
+                  f"masked={masked})")
+    if failed(stream_key) or gemm_rank_r_failed(weight.t(), width, True):  # no head, nor a stream, before a fallback
         return None
-    head_rows = min(head * BLOCK_M, M)
+    head_rows = head * BLOCK_M  # below M: head_row_blocks leaves the stream MIN_STREAMED_BLOCKS at least
     s = torch.empty(M, r, device=x.device, dtype=torch.float32)
     s_head = lora_shrink(x[:head_rows], lora_A, dropout_p, seed) if head_rows else s.new_empty(0, r)
     left = torch.empty(M, width, device=x.device, dtype=x.dtype)
@@ -283,7 +288,8 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias, dropout_p=0.0, 
                                      split=lora_A if copied else None, zeroed=counts, split_register_order=masked,
                                      left=left[:head_rows])
     s[:head_rows] = s_head
-    shrink_weight = tma_aligned(split.reshape(-1, split.shape[-1]) if copied else lora_A.contiguous())  # [3r | r, K]
+    # [3r | r, K] (with dropout K padded to a multiple of 64)
+    shrink_weight = tma_aligned(split.reshape(-1, split.shape[-1]) if copied else lora_A.contiguous())
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     x_box, la_box = [BLOCK_M, STREAM_K], [shrink_rows, STREAM_K]
@@ -292,7 +298,7 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias, dropout_p=0.0, 
     threshold, drop_scale = dropout_args(dropout_p)
     slots = _ring_slots(shrink_rows)
     ran = launch_or_fall_back(
-        f"_shrink_stream(pieces={pieces}, r={r}, bias_columns={bias_columns}, dtype={x.dtype}, masked={masked})",
+        stream_key,
         lambda: _shrink_stream[(min(stream_programs, blocks_m - head),)](
             x_desc, la_desc, s, left, counts, seed if masked else counts, M, K, head, width, scale, threshold,
             drop_scale, R=r, PIECES=pieces, BIAS_COLUMNS=bias_columns, MASKED=masked, ROUNDS=PHILOX_ROUNDS,
@@ -301,7 +307,7 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias, dropout_p=0.0, 
     return (y, s) if ran else None
 
 
-def head_row_blocks(blocks_m: int, stream_programs: int, block_bytes: int, gemm_s: float, pieces: bool):
+def head_row_blocks(blocks_m: int, stream_programs: int, block_bytes: int, gemm_s: float, pieces: bool) -> int | None:
     """With dropout: how many row blocks, from the first, lora_shrink's masked pass shrinks before the stream and the
     GEMM start; None where the stream would take too few to pay for its launch. The head holds the GEMM's first
     group of row blocks (GROUP_M: its first wave's tiles need them by the end of their K-loop, sooner than a few

@@ -18,9 +18,9 @@ from lorafuse.ops import _gluon, _shrink_beside_gluon
 from lorafuse.ops._lora_matmul_gluon import GROUP_M, _gemm_rank_r_key, rank_r_width
 from lorafuse.ops._shrink_beside_gluon import MIN_STREAMED_BLOCKS, head_row_blocks, shrink_matmul_beside
 from lorafuse.ops._tiles import sm_count
+from lorafuse.ops.dropout import keep_mask_reference, keep_scale
 from lorafuse.ops.lora_matmul import tma_ready
 from tests.ops.test_lora_linear import check
-from lorafuse.ops.dropout import keep_mask_reference, keep_scale
 from tests.ops.test_shrink_matmul_gluon import SCALE, assert_matches_float64, hopper, operands
 
 SEED = 20261127
@@ -52,23 +52,25 @@ def test_shrink_matmul_beside_matches_float64(m, k, n, r, dtype, adapter_dtype, 
 
 
 @hopper
-@pytest.mark.parametrize("m, k, n", [(1000, 776, 520), (8100, 2000, 2000)], ids=["one_wave", "last_wave_part_full"])
-@pytest.mark.parametrize("r, dtype, adapter_dtype, math, p", [(16, torch.bfloat16, torch.float32, "exact", 0.05),
-                                                              (16, torch.bfloat16, torch.float32, "exact", 0.5),
-                                                              (16, torch.bfloat16, torch.float32, "fast", 0.05),
-                                                              (8, torch.bfloat16, torch.float32, "exact", 0.05),
-                                                              (32, torch.bfloat16, torch.bfloat16, "exact", 0.05),
-                                                              (16, torch.float16, torch.float16, "exact", 0.05)],
-                         ids=["r16_pieces", "r16_pieces_p0.5", "r16_fast", "r8_pieces", "r32_bf16", "r16_fp16"])
+@pytest.mark.parametrize("m, k, n", [(1000, 776, 520), (8100, 2048, 2000)], ids=["one_wave", "last_wave_part_full"])
+@pytest.mark.parametrize("r, dtype, adapter_dtype, math, p, bias_dtype", [
+    (16, torch.bfloat16, torch.float32, "exact", 0.05, "x"), (16, torch.bfloat16, torch.float32, "exact", 0.5, "x"),
+    (16, torch.bfloat16, torch.float32, "exact", 0.05, torch.float32),
+    (16, torch.bfloat16, torch.float32, "fast", 0.05, "x"), (8, torch.bfloat16, torch.float32, "exact", 0.05, "x"),
+    (8, torch.bfloat16, torch.bfloat16, "exact", 0.05, "x"), (64, torch.bfloat16, torch.bfloat16, "exact", 0.05, "x"),
+    (16, torch.float16, torch.float16, "exact", 0.05, "x")],
+    ids=["r16_pieces", "r16_pieces_p0.5", "r16_pieces_fp32_bias", "r16_fast", "r8_pieces", "r8_bf16", "r64_bf16",
+         "r16_fp16"])
 @pytest.mark.parametrize("head", [0, 5], ids=["all_streamed", "head_5_blocks"])
-def test_shrink_matmul_beside_with_dropout_matches_float64(m, k, n, r, dtype, adapter_dtype, math, p, head,
+def test_shrink_matmul_beside_with_dropout_matches_float64(m, k, n, r, dtype, adapter_dtype, math, p, bias_dtype, head,
                                                            monkeypatch):
     # the masked stream: s = dropout(x) A^T with the mask that dropout.keep_mask_reference draws for the seed (x's
-    # columns past K and the padded register-order columns of lora_A included); y's GEMM on the unmasked x. The head
-    # (lora_shrink's rows before the stream, counted in by the stream's program 0) is set here: none, or 5 row blocks
+    # columns past K and the padded register-order columns of lora_A included at K = 776); y's GEMM on the unmasked x.
+    # The head (lora_shrink's rows before the stream, counted in by the stream's program 0) is set here: none, or 5
+    # row blocks
     monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", math)
     monkeypatch.setattr(_shrink_beside_gluon, "head_row_blocks", lambda *args: head)
-    x, weight, lora_A, lora_B, bias = operands(m, k, n, r, dtype, adapter_dtype, "x")
+    x, weight, lora_A, lora_B, bias = operands(m, k, n, r, dtype, adapter_dtype, bias_dtype)
     seed = torch.tensor([SEED], dtype=torch.int64)
     y, s = shrink_matmul_beside(x, weight, lora_A, lora_B, SCALE, bias, p, seed)
     keep = keep_mask_reference(SEED, m, k, p, x.device) * keep_scale(p)
@@ -153,7 +155,7 @@ def test_the_gemm_waits_for_the_stream_however_late_it_runs(p, order, monkeypatc
     # enqueued between the stream and the GEMM, so that the GEMM is no programmatic dependent and starts only after
     # the whole stream (PDL off). Either way: the same bits as the route's usual run.
     monkeypatch.setattr(_shrink_beside_gluon, "MAX_STREAM_SHARE", float("inf"))
-    monkeypatch.setattr(_shrink_beside_gluon, "head_row_blocks", lambda *args: 0)
+    monkeypatch.setattr(_shrink_beside_gluon, "head_row_blocks", lambda *args: 5)  # with dropout: 5, counted in first
     x, weight, lora_A, lora_B, bias = operands(8100, 2000, 2000, 16, torch.bfloat16, torch.float32, "x")
     seed = torch.tensor([SEED], dtype=torch.int64)
     usual = shrink_matmul_beside(x, weight, lora_A, lora_B, SCALE, bias, p, seed)
@@ -172,21 +174,31 @@ def test_the_gemm_waits_for_the_stream_however_late_it_runs(p, order, monkeypatc
 
 
 @hopper
-def test_no_stream_runs_before_a_gemm_that_failed(monkeypatch):
-    # the GEMM variant's first launch failed (logged, off for the process): the route declines before the stream
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("broken", ["gemm", "stream"])
+def test_nothing_runs_before_a_kernel_that_failed(p, broken, monkeypatch):
+    # the GEMM variant's, or the stream's, first launch failed (logged, off for the process): the route declines
+    # before the head's shrink, the packing and the stream
     x, weight, lora_A, lora_B, bias = operands(8100, 2000, 2000, 16, torch.bfloat16, torch.float32, None)
+    seed = torch.tensor([SEED], dtype=torch.int64)
     monkeypatch.setattr(_shrink_beside_gluon, "MAX_STREAM_SHARE", float("inf"))
+    monkeypatch.setattr(_shrink_beside_gluon, "head_row_blocks", lambda *args: 8)
     launched = []
     monkeypatch.setattr(_shrink_beside_gluon, "launch_or_fall_back", lambda kernel, launch: launched.append(kernel))
-    monkeypatch.setattr(_gluon, "_broken", {_gemm_rank_r_key(True, rank_r_width(16, True, 0), True)})
-    assert shrink_matmul_beside(x, weight, lora_A, lora_B, SCALE, bias) is None and launched == []
+    monkeypatch.setattr(_shrink_beside_gluon, "lora_shrink", lambda *args: launched.append("lora_shrink"))
+    monkeypatch.setattr(_shrink_beside_gluon, "rank_r_operands", lambda *args, **kwargs: launched.append("packing"))
+    stream = f"_shrink_stream(pieces=True, r=16, bias_columns=0, dtype=torch.bfloat16, masked={p > 0})"
+    monkeypatch.setattr(_gluon, "_broken", {_gemm_rank_r_key(True, rank_r_width(16, True, 0), True)
+                                            if broken == "gemm" else stream})
+    assert shrink_matmul_beside(x, weight, lora_A, lora_B, SCALE, bias, p, seed) is None and launched == []
 
 
 @hopper
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["no_dropout", "dropout"])
 def test_the_layer_streams_the_shrink_beside_the_gemm(dropout_p, monkeypatch):
-    # 4096 rows, 1024 -> 8192: 1024 tiles, 8 waves on 128 programs, 4 SMs free; x's 8 MB stream in well under the
-    # GEMM's time, masked or not. The layer's forward (and the backward's checks) take the route.
+    # 4096 rows, 1024 -> 8192: 1024 tiles, 8 waves on 128 programs, 4 SMs free; x's 8 MB stream in under the GEMM's
+    # time (with dropout, after a head of 8 of the 32 row blocks). The layer's forward (and the backward's checks)
+    # take the route.
     ran = []
     real = lora_linear_module.shrink_matmul_beside
 
