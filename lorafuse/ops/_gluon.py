@@ -58,7 +58,7 @@ def launch_or_fall_back(kernel: str, launch) -> bool:
     """Runs launch() (a launch of the Gluon kernel `kernel`) and says whether it ran. If it failed before the kernel
     ever ran (its compilation on a Triton whose Gluon changed, say), the reason is logged once and the kernel is off
     for the process: the caller runs its Triton counterpart. Once the kernel has run, its errors propagate."""
-    if kernel in _broken:
+    if failed(kernel):
         return False
     if kernel in _working:
         launch()
