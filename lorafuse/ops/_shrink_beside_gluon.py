@@ -278,7 +278,7 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias, dropout_p=0.0, 
         return None
     head_rows = head * BLOCK_M  # below M: head_row_blocks leaves the stream MIN_STREAMED_BLOCKS at least
     s = torch.empty(M, r, device=x.device, dtype=torch.float32)
-    s_head = lora_shrink(x[:head_rows], lora_A, dropout_p, seed) if head_rows else s.new_empty(0, r)
+    s_head = lora_shrink(x[:head_rows], lora_A, dropout_p, seed, out=s[:head_rows]) if head_rows else s[:0]
     left = torch.empty(M, width, device=x.device, dtype=x.dtype)
     counts = torch.empty(blocks_m, device=x.device, dtype=torch.int32)
     copied = lora_A.dtype != x.dtype or masked
@@ -287,7 +287,6 @@ def shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias, dropout_p=0.0, 
     _, r_op, split = rank_r_operands(s_head, lora_B.t(), scale, bias, x.dtype, pieces, True,
                                      split=lora_A if copied else None, zeroed=counts, split_register_order=masked,
                                      left=left[:head_rows])
-    s[:head_rows] = s_head
     # [3r | r, K] (with dropout K padded to a multiple of 64)
     shrink_weight = tma_aligned(split.reshape(-1, split.shape[-1]) if copied else lora_A.contiguous())
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)

@@ -84,22 +84,29 @@ def atomic_partial_sums(parts: int) -> bool:
 MAX_PARTS_BYTES = 256 << 20
 
 
-def partial_sums(parts: int, shape, device, fixed_order: bool = False,
-                 zeroed: bool = True) -> tuple[torch.Tensor, bool]:
+def partial_sums(parts: int, shape, device, fixed_order: bool = False, zeroed: bool = True,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
     """(buffer, atomic) for a kernel's `parts` float32 partial sums of an output of `shape`: with atomic
     (atomic_partial_sums) the output itself, zeroed, which they add into (store_partial); else [parts, *shape] for
     summed(). fixed_order: an output that must not vary from run to run (a forward's: the same prompt gives the same
     logits): atomics only for two parts, as 0 + a + b is the same float in either order. zeroed=False: the caller
-    zeroes an atomic buffer itself (bf16_pieces' launch does, one launch fewer)."""
+    zeroes an atomic buffer itself (bf16_pieces' launch does, one launch fewer). out: the output's own memory
+    (float32, contiguous, of `shape`), taken as the buffer wherever it can be (atomics, or one part): no copy after."""
     atomic = atomic_partial_sums(parts) and (parts <= 2 or not fixed_order)
     if atomic:
-        return (torch.zeros if zeroed else torch.empty)(*shape, device=device, dtype=torch.float32), True
+        if out is None:
+            return (torch.zeros if zeroed else torch.empty)(*shape, device=device, dtype=torch.float32), True
+        return (out.zero_() if zeroed else out), True
+    if parts == 1 and out is not None:
+        return out[None], False
     return torch.empty(parts, *shape, device=device, dtype=torch.float32), False
 
 
-def summed(buffer: torch.Tensor, atomic: bool) -> torch.Tensor:
-    """The output from partial_sums' buffer once the kernel has run."""
-    return buffer if atomic else buffer.sum(0) if buffer.shape[0] > 1 else buffer[0]
+def summed(buffer: torch.Tensor, atomic: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The output from partial_sums' buffer once the kernel has run (in `out`, where partial_sums was given it)."""
+    if atomic or (buffer.shape[0] == 1 and out is not None):
+        return out if out is not None else buffer
+    return torch.sum(buffer, 0, out=out) if buffer.shape[0] > 1 else buffer[0]
 
 
 @triton.jit

@@ -7,6 +7,7 @@ writes dx_lora = keep * (ds @ A) * keep_scale, the adapter's share of dx, in the
 (used when the dx GEMM runs on cuBLAS and adds into that buffer).
 float32 adapters on bf16 activations run as three bf16 dots on pieces of A and ds (_bf16_pieces.py).
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -25,13 +26,14 @@ def lora_shrink_reference(x, A, dropout_p=0.0, seed=None):
 
 
 @triton.jit
-def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_split, threshold, drop_scale,
-                HAS_DROPOUT: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, ATOMIC: tl.constexpr,
-                R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr,
-                PRECISION: tl.constexpr):
+def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, count_ptr, out_ptr, M, K, rank, stride_xm, cols_per_split, splits,
+                threshold, drop_scale, HAS_DROPOUT: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr,
+                ATOMIC: tl.constexpr, SERIAL_SUM: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
     # x: [M, K] (row stride stride_xm), A: [rank, K] contiguous ([3, rank, K] bf16 pieces when ON_PIECES),
-    # s: partial_sums' buffer of [M, rank] fp32 over column splits of cols_per_split (a multiple of BLOCK_K)
-    # LORA_FP32: the product runs in fp32 (float32 adapters), else in x's 16-bit dtype
+    # s: partial_sums' buffer of [M, rank] fp32 over `splits` column splits of cols_per_split (a multiple of BLOCK_K)
+    # LORA_FP32: the product runs in fp32 (float32 adapters), else in x's 16-bit dtype. SERIAL_SUM: the last program
+    # of a row block to finish (count: int32 [row blocks], zeroed) adds the splits' parts in their order into out.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
     ranks = tl.arange(0, R)
@@ -55,8 +57,16 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, M, K, rank, stride_xm, cols_per_s
             acc = tl.dot(x.to(cd), tl.trans(a.to(cd)), acc, input_precision=PRECISION)
     if HAS_DROPOUT:
         acc *= drop_scale
-    store_partial(s_ptr, split, M * rank, rows[:, None] * rank + ranks[None, :], acc,
-                  (rows[:, None] < M) & (ranks[None, :] < rank), ATOMIC)
+    offsets = rows[:, None] * rank + ranks[None, :]
+    mask = (rows[:, None] < M) & (ranks[None, :] < rank)
+    store_partial(s_ptr, split, M * rank, offsets, acc, mask, ATOMIC)
+    if SERIAL_SUM:  # one order whichever program ends last: the same s run after run, without a reduction's launch
+        tl.debug_barrier()  # every thread's part is stored before the count releases it
+        if tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu") == splits - 1:
+            total = tl.zeros([BLOCK_M, R], tl.float32)
+            for part in range(splits):
+                total += tl.load(s_ptr + part * M * rank + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offsets, total, mask=mask)
 
 
 @triton.jit
@@ -137,27 +147,39 @@ def _math(x_dtype, a_dtype):
     return "tf32x3" if lora_in_fp32(x_dtype, a_dtype) else "16-bit"
 
 
-def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
+def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, out=None):
     """s = dropout(x) @ A^T in fp32. x: [M, K] with unit column stride, A: [r, K].
-    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks)."""
+    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks).
+    out: [M, r] float32 contiguous to write s into (returned), such as rows of a larger s."""
     M, K = x.shape
     r = A.shape[0]
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     block_m, block_k, warps, stages, programs = config or _shrink_config(
         M, _math(x.dtype, A.dtype), dropout_p > 0.0, sm_count(x.device))
-    # Fewer row blocks than programs (decode, or the mask's two programs per SM) split K: partial sums, added below.
+    # Fewer row blocks than programs (decode, the head of the dropout forward's rows, the mask's two programs per SM)
+    # split K: partial sums, added with atomics (two parts: the same float in either order) or, in a fixed order, by
+    # each row block's last program (SERIAL_SUM).
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
-    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True, zeroed=not on_pieces)
-    a_arg = bf16_pieces(A, zero=[s] if atomic else []) if on_pieces else A.contiguous()  # zeroes s in its launch
+    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True, zeroed=not on_pieces, out=out)
+    serial = splits > 1 and not atomic
+    counts = torch.empty(row_blocks if serial else 0, device=x.device, dtype=torch.int32)
+    if serial and out is None:
+        out = torch.empty(M, r, device=x.device, dtype=torch.float32)
+    if on_pieces:  # its launch zeroes what the atomics or the counts start from
+        a_arg = bf16_pieces(A, zero=[s] if atomic else [counts.view(torch.float32)] if serial else [])
+    else:
+        a_arg = A.contiguous()
+        if serial:
+            counts.zero_()
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_fwd[(row_blocks, splits)](
-        x, a_arg, s, seed, M, K, r, x.stride(0), cols_per_split, threshold, drop_scale,
-        HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, ATOMIC=atomic, R=padded_rank(r),
-        BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS, PRECISION=lora_precision(x.dtype, A.dtype),
-        num_warps=warps, num_stages=stages)
-    return summed(s, atomic)
+        x, a_arg, s, seed, counts, out if serial else s, M, K, r, x.stride(0), cols_per_split, splits, threshold,
+        drop_scale, HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, ATOMIC=atomic,
+        SERIAL_SUM=serial, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
+        PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)
+    return out if serial else summed(s, atomic, out)
 
 
 def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None):

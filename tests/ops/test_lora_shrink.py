@@ -178,9 +178,50 @@ def test_split_sums_add_with_atomics_unless_deterministic(deterministic, monkeyp
     check_backward(x, A, 0.1, 5, config=(64, 64, 4, 2, 8))  # 4 column blocks, 2 row splits
     assert [name for name, _, _ in launched] == ["_shrink_fwd", "_shrink_bwd", "_shrink_bwd"]  # dA, then with dx
     assert all(splits == 2 and atomic is not deterministic for _, splits, atomic in launched)
-    # More than two splits add in no fixed order: the forward's s (the same prompt, the same logits) keeps partials
+    # More than two splits add in no fixed order: the forward's s (the same prompt, the same logits) keeps partials,
+    # which each row block's last program adds in their order (SERIAL_SUM): the same bits call after call
     launched.clear()
-    check_forward(x, A, 0.1, 5, config=(64, 64, 4, 2, 40))  # 4 column splits
+    s = check_forward(x, A, 0.1, 5, config=(64, 64, 4, 2, 40))  # 4 column splits
     check_backward(x, A, 0.1, 5, config=(64, 64, 4, 2, 12))  # 3 row splits
     assert [(name, splits, atomic) for name, splits, atomic in launched] == [
         ("_shrink_fwd", 4, False), ("_shrink_bwd", 3, not deterministic), ("_shrink_bwd", 3, not deterministic)]
+    assert torch.equal(s, lora_shrink(x, A, 0.1, seed_tensor(5), config=(64, 64, 4, 2, 40)))
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["pieces", "bf16_adapters"])
+@pytest.mark.parametrize("programs, splits", [(10, 1), (20, 2), (40, 4)], ids=["one_split", "two", "four"])
+def test_shrink_into_rows_of_a_larger_s(adapter_dtype, programs, splits, monkeypatch):
+    # out=: s written into given rows (the dropout forward's head, lora_shrink into s[:head_rows]) without a copy,
+    # whether its column splits add with atomics (two), in a fixed order by a row block's last program (four: its
+    # counts zeroed by the pieces launch, or by a fill of their own; poisoned here so that a missed zero shows) or
+    # not at all (one); the rows around it untouched, the values those of a call without out=
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(7) if t.dtype == torch.int32 else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    launched = []
+    kernel = lora_shrink_module._shrink_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid[1], kwargs["SERIAL_SUM"])) or kernel[grid](*args,
+                                                                                                              **kwargs)
+
+    monkeypatch.setattr(lora_shrink_module, "_shrink_fwd", Spy())
+    m, k, r, p = 600, 256, 8, 0.1
+    x, A = torch.randn(m, k).bfloat16(), (torch.randn(r, k) / 16).to(adapter_dtype)
+    config = (64, 64, 4, 2, programs)
+    s = poison(torch.empty(m + 50, r))
+    got = lora_shrink(x, A, p, seed_tensor(5), config=config, out=s[25:m + 25])
+    assert got.data_ptr() == s[25].data_ptr()
+    assert s[:25].isnan().all() and s[m + 25:].isnan().all()
+    assert torch.equal(s[25:m + 25], lora_shrink(x, A, p, seed_tensor(5), config=config))
+    assert launched == [(splits, splits > 2)] * 2
+    factor = keep_factor(m, k, p, 5)
+    plain = (x.float() * factor.float()) @ A.float().t() if adapter_dtype == torch.float32 else \
+        lora_shrink_reference(x, A, p, 5)
+    assert_close(got, (x.double() * factor) @ A.double().t(), torch.bfloat16, plain, "s")
