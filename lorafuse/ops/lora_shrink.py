@@ -153,6 +153,9 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, out=None):
     out: [M, r] float32 contiguous to write s into (returned), such as rows of a larger s."""
     M, K = x.shape
     r = A.shape[0]
+    if out is not None and (out.shape != (M, r) or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"lora_shrink: out must be a contiguous float32 tensor of shape {(M, r)}, got "
+                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     block_m, block_k, warps, stages, programs = config or _shrink_config(

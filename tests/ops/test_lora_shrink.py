@@ -160,8 +160,8 @@ def test_pieces_launch_zeroes_the_atomic_sums(monkeypatch):
 def test_split_sums_add_with_atomics_unless_deterministic(deterministic, monkeypatch):
     # s's column splits and dA's row splits add their shares into the output with float32 atomics (no partial sums to
     # write and reduce in a launch of their own), except under torch.use_deterministic_algorithms(True), where they
-    # write partials that a reduction sums in a fixed order; s, a forward's output, only for two splits (whose sum
-    # does not depend on the order). Both give the exact result.
+    # write partials summed in a fixed order (s's by its row blocks' last programs, dA's by a reduction); s, a
+    # forward's output, only for two splits (whose sum does not depend on the order). Both give the exact result.
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     launched = []
     for name in ("_shrink_fwd", "_shrink_bwd"):
@@ -190,12 +190,14 @@ def test_split_sums_add_with_atomics_unless_deterministic(deterministic, monkeyp
 
 @pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["pieces", "bf16_adapters"])
 @pytest.mark.parametrize("programs, splits", [(10, 1), (20, 2), (40, 4)], ids=["one_split", "two", "four"])
-def test_shrink_into_rows_of_a_larger_s(adapter_dtype, programs, splits, monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_shrink_into_rows_of_a_larger_s(adapter_dtype, programs, splits, deterministic, monkeypatch):
     # out=: s written into given rows (the dropout forward's head, lora_shrink into s[:head_rows]) without a copy,
-    # whether its column splits add with atomics (two), in a fixed order by a row block's last program (four: its
-    # counts zeroed by the pieces launch, or by a fill of their own; poisoned here so that a missed zero shows) or
-    # not at all (one); the rows around it untouched, the values those of a call without out=
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    # whether its column splits add with atomics (two), in a fixed order by a row block's last program (four, or two
+    # under deterministic algorithms: the counts zeroed by the pieces launch, or by a fill of their own; poisoned here
+    # so that a missed zero shows; the sum is split 0's part + split 1's + ..., bit for bit) or not at all (one); the
+    # rows around it untouched, the values those of a call without out=
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):
@@ -206,10 +208,17 @@ def test_shrink_into_rows_of_a_larger_s(adapter_dtype, programs, splits, monkeyp
     launched = []
     kernel = lora_shrink_module._shrink_fwd
 
-    class Spy:
+    class Spy:  # records the launch and, after a serial one, the left fold of its parts
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append((grid[1], kwargs["SERIAL_SUM"])) or kernel[grid](*args,
-                                                                                                              **kwargs)
+            def launch(*args, **kwargs):
+                kernel[grid](*args, **kwargs)
+                folded = None
+                if kwargs["SERIAL_SUM"]:
+                    folded = torch.zeros_like(args[2][0])
+                    for part in args[2]:
+                        folded = folded + part
+                launched.append((grid[1], kwargs["SERIAL_SUM"], folded))
+            return launch
 
     monkeypatch.setattr(lora_shrink_module, "_shrink_fwd", Spy())
     m, k, r, p = 600, 256, 8, 0.1
@@ -220,8 +229,23 @@ def test_shrink_into_rows_of_a_larger_s(adapter_dtype, programs, splits, monkeyp
     assert got.data_ptr() == s[25].data_ptr()
     assert s[:25].isnan().all() and s[m + 25:].isnan().all()
     assert torch.equal(s[25:m + 25], lora_shrink(x, A, p, seed_tensor(5), config=config))
-    assert launched == [(splits, splits > 2)] * 2
+    serial = splits > 2 or (deterministic and splits == 2)
+    assert [(n, ser) for n, ser, _ in launched] == [(splits, serial)] * 2
+    if serial:
+        assert torch.equal(got, launched[0][2])
     factor = keep_factor(m, k, p, 5)
     plain = (x.float() * factor.float()) @ A.float().t() if adapter_dtype == torch.float32 else \
         lora_shrink_reference(x, A, p, 5)
     assert_close(got, (x.double() * factor) @ A.double().t(), torch.bfloat16, plain, "s")
+
+
+@pytest.mark.skipif(torch.get_default_device().type != "cuda", reason="one program at a time under the interpreter: "
+                    "which program ends last only varies on a GPU")
+def test_serial_split_sums_give_the_same_bits_whichever_program_ends_last():
+    # The dropout forward's head at 4096 -> 4096 (34 row blocks of 128 rows, three column splits a row block): the
+    # programs of a row block end in any order, and its last one adds the parts in split order, so 50 calls give one s
+    x = torch.randn(4352, 4096).bfloat16()
+    A = torch.randn(16, 4096) / 64
+    first = lora_shrink(x, A, 0.05, seed_tensor(5))
+    for _ in range(50):
+        assert torch.equal(lora_shrink(x, A, 0.05, seed_tensor(5)), first)
