@@ -102,14 +102,9 @@ def partial_sums(parts: int, shape, device, fixed_order: bool = False, zeroed: b
     return torch.empty(parts, *shape, device=device, dtype=torch.float32), False
 
 
-def summed(buffer: torch.Tensor, atomic: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The output from partial_sums' buffer once the kernel has run (in `out`, where partial_sums was given it)."""
-    if out is not None and (atomic or buffer.shape[0] == 1):
-        assert buffer.data_ptr() == out.data_ptr(), "summed(out=): partial_sums was not given this out"
-        return out
-    if atomic:
-        return buffer
-    return torch.sum(buffer, 0, out=out) if buffer.shape[0] > 1 else buffer[0]
+def summed(buffer: torch.Tensor, atomic: bool) -> torch.Tensor:
+    """The output from partial_sums' buffer once the kernel has run."""
+    return buffer if atomic else buffer.sum(0) if buffer.shape[0] > 1 else buffer[0]
 
 
 @triton.jit

@@ -182,7 +182,7 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, out=None):
         drop_scale, HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, ATOMIC=atomic,
         SERIAL_SUM=serial, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
         PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)
-    return out if serial else summed(s, atomic, out)
+    return out if out is not None else summed(s, atomic)  # given, or made for SERIAL_SUM: s is there
 
 
 def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None):
