@@ -8,6 +8,8 @@ B's pieces, reductions):
   triton_partials  the same kernel writing partial sums that torch reduces (torch.use_deterministic_algorithms)
   gluon            the Gluon kernel (Hopper, float32 adapters as bf16 pieces), atomics
   gluon_partials   the same with partial sums
+  gluon_rows128    the Gluon kernel on 128-row programs, its grid sized for three an SM, as before 2026-11-27's
+                   256-row programs (twice gluon's dB atomics; ranks <= 32)
 float32 adapters (PEFT's default) at ranks 16, 32, 64, and bf16 ones at rank 16 (no Gluon kernel: the Triton one is
 as fast there). Outputs are checked against float64 first; CUDA graphs alternate call by call. Rows:
 <out>/expand_backward.csv (bench `expand_backward`, ratio to `triton_partials`, metric: read floor of dy in us at the
@@ -62,6 +64,9 @@ def probe_case(n, r, adapter_dtype, rounds):
     if adapter_dtype == torch.float32:
         calls["gluon"] = lambda: expand_backward_gluon(dy, s, B, SCALE, sm_count(dy.device))
         calls["gluon_partials"] = deterministic(calls["gluon"])
+        if r <= 32:
+            calls["gluon_rows128"] = lambda: expand_backward_gluon(dy, s, B, SCALE, sm_count(dy.device),
+                                                                   config=(128, True, 3, 3))
     exact = (SCALE * dy.double() @ B.double(), SCALE * dy.double().t() @ s.double())
     error = max(((got.double() - want).norm() / want.norm()).item()
                 for fn in calls.values() for got, want in zip(fn(), exact))
@@ -72,7 +77,7 @@ def main():
     args = probe_args(__doc__)
     tags, rows = environment(), []
     gbps = copy_bandwidth(ROWS * max(WIDTHS) * 2)
-    keys = ("triton_partials", "triton", "gluon_partials", "gluon")
+    keys = ("triton_partials", "triton", "gluon_partials", "gluon", "gluon_rows128")
     print(f"copy {gbps:.0f} GB/s; us per call, graph-replayed, alternating")
     print(f"{'dy':>12s} {'r':>3s} {'adapters':>8s} " + " ".join(f"{k:>15s}" for k in keys) + "  floor    error")
     for n in WIDTHS:

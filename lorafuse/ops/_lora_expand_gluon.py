@@ -12,6 +12,12 @@ ring of shared-memory tiles, and each tile is read into registers once per orien
 products (rank <= 32; rank 64 runs out of registers that way and keeps A in shared memory). H200, 8192 x 14336,
 r = 16, atomics in both: 126 us (Triton) -> 102 us (benchmarks/probe_expand_backward.py). Adapters in dy's dtype
 keep the Triton kernel, as fast or faster there.
+
+dB's adds bound the pass next: each program adds its [columns, r] rows of dB with float32 atomics, 8.4 M of them at
+8192 x 8192 with 128-row programs, and they took 10 of its 57 us (H200: the same kernel with them masked off, 46.6
+against dy.sum()'s 42.9). Programs of 256 rows add half as many; with two programs an SM (their registers) and the
+grid sized to one wave of them, 8192 x 4096 / 8192 / 14336 went from 36.0 / 59.7 / 95.9 to 30.7 / 50.5 / 77.5 us
+(twenty-sixth session, benchmarks/NOTES_lora_layer.md).
 """
 import triton
 
@@ -24,9 +30,10 @@ BLOCK_M, BLOCK_N, WARPS = 128, 64, 4
 
 
 def _config(r):
-    # (A in registers, ring buffers, programs per SM that the grid is sized for: more column splits; at most two fit
-    # an SM at once), swept on an H200 at 8192 x 4096 and 8192 x 14336
-    return (True, 3, 3) if r <= 32 else (False, 4, 2)
+    # (rows a program, A in registers, ring buffers, programs per SM that the grid is sized for: as many column splits
+    # as fit that many programs), swept on an H200 at 8192 x 4096, 8192 x 8192 and 8192 x 14336 (256 rows: two
+    # programs fit an SM, by registers; rank 64 keeps A in shared memory, by registers too)
+    return (2 * BLOCK_M, True, 2, 2) if r <= 32 else (BLOCK_M, False, 4, 2)
 
 
 def gluon_expand_backward_ready(dy, B, activation_id, need_dbias, pieces) -> bool:
@@ -139,30 +146,32 @@ if gluon is not None:
         store_partial(ds_part_ptr, split, M * rank, ds_offsets, scale * ds, ds_mask, ATOMIC_DS)
 
 
-def expand_backward_gluon(dy, s, B, scale, sms):
+def expand_backward_gluon(dy, s, B, scale, sms, config=None):
     """(ds, dB) of lora_expand_backward through _expand_bwd (gluon_expand_backward_ready holds); None if the kernel
-    failed to run the first time (_gluon.launch_or_fall_back)."""
+    failed to run the first time (_gluon.launch_or_fall_back). config: (rows a program, A in registers, ring buffers,
+    programs per SM), _config's by default (benchmarks sweep it)."""
     # dy: [M, N] bf16 contiguous, s: [M, r] fp32, B: [N, r] fp32
     M, N = dy.shape
     r = B.shape[1]
-    a_in_registers, buffers, grid_per_sm = _config(r)
+    block_m, a_in_registers, buffers, grid_per_sm = config or _config(r)
+    block_m = min(block_m, BLOCK_M * (M // BLOCK_M))  # a box no taller than dy
     programs = grid_per_sm * sms
     P = PIECES
     R = max(16, triton.next_power_of_2(r))
     dtype = gl.bfloat16
-    row_blocks = triton.cdiv(M, BLOCK_M)
-    splits = max(1, min(triton.cdiv(N, BLOCK_N), triton.cdiv(programs, row_blocks)))
+    row_blocks = triton.cdiv(M, block_m)
+    splits = max(1, min(triton.cdiv(N, BLOCK_N), programs // row_blocks))  # within the programs: no wave's tail
     cols_per_split = triton.cdiv(triton.cdiv(N, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(N, cols_per_split)
     ds_part, atomic_ds = partial_sums(splits, (M, r), dy.device, zeroed=False)
     db_part, atomic = partial_sums(row_blocks, (N, r), dy.device, zeroed=False)
     # B's pieces, [3, N, r] bf16, from the launch that zeroes what the atomics add into: two fills fewer
     b_pieces = bf16_pieces(B, zero=[part for part, adds in ((ds_part, atomic_ds), (db_part, atomic)) if adds])
-    dy_desc = TensorDescriptor.from_tensor(dy, [BLOCK_M, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+    dy_desc = TensorDescriptor.from_tensor(dy, [block_m, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_N], dtype))
     b_desc = TensorDescriptor.from_tensor(b_pieces.reshape(P * N, r), [BLOCK_N, R],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
-    if not launch_or_fall_back("_expand_bwd", lambda: _expand_bwd[(row_blocks, splits)](
+    if not launch_or_fall_back(f"_expand_bwd(block_m={block_m})", lambda: _expand_bwd[(row_blocks, splits)](
             dy_desc, b_desc, s.contiguous(), ds_part, db_part, M, N, r, scale, cols_per_split, P=P, R=R,
             BUFFERS=buffers, ATOMIC_DS=atomic_ds, ATOMIC_DB=atomic, A_IN_REGISTERS=a_in_registers, num_warps=WARPS)):
         return None

@@ -339,13 +339,15 @@ def test_gluon_gemm_matches_float64(m, k, n, r, dtype, adapter_dtype, math, bias
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon kernel runs on compute capability 9")
-@pytest.mark.parametrize("m, n", [(300, 776), (4100, 8200)], ids=["small", "many_programs"])
+@pytest.mark.parametrize("m, n", [(200, 776), (300, 776), (4100, 8200)],
+                         ids=["one_row_block", "small", "many_programs"])
 @pytest.mark.parametrize("r", [8, 16, 24, 32, 64])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dB", "deterministic"])
 def test_gluon_expand_backward_matches_float64(m, n, r, deterministic, monkeypatch):
     # ds = scale * dy B and dB = scale * dy^T s for float32 adapters on bf16 dy (PEFT's default); rows and columns
-    # not multiples of the 128 x 64 tiles, several column splits (partial ds sums) and row blocks (dB added with
-    # atomics, or partial sums under torch.use_deterministic_algorithms).
+    # not multiples of the programs' 256 (or 128) x 64 tiles, several column splits (partial ds sums) and row blocks
+    # (dB added with atomics, or partial sums under torch.use_deterministic_algorithms). "one_row_block": fewer than
+    # 256 rows, one 128-row box (no box taller than dy).
     ran = record_launches(monkeypatch, lora_expand_module, "expand_backward_gluon", deterministic)
     dy = torch.randn(m, n, dtype=torch.bfloat16)
     s = torch.randn(m, r)
