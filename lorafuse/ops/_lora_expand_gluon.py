@@ -16,8 +16,8 @@ keep the Triton kernel, as fast or faster there.
 dB's adds bound the pass next: each program adds its [columns, r] rows of dB with float32 atomics, 8.4 M of them at
 8192 x 8192 with 128-row programs, and they took 10 of its 57 us (H200: the same kernel with them masked off, 46.6
 against dy.sum()'s 42.9). Programs of 256 rows add half as many; with two programs an SM (their registers) and the
-grid sized to one wave of them, 8192 x 4096 / 8192 / 14336 went from 36.0 / 59.7 / 95.9 to 30.7 / 50.5 / 77.5 us
-(twenty-sixth session, benchmarks/NOTES_lora_layer.md).
+grid sized to one wave of them, 8192 x 4096 / 8192 / 14336 went from 36.2 / 58.2 / 91.5 to 30.2 / 50.1 / 76.9 us at
+r = 16 (twenty-sixth session, benchmarks/NOTES_lora_layer.md).
 """
 import triton
 
