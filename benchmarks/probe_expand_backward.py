@@ -8,8 +8,8 @@ B's pieces, reductions):
   triton_partials  the same kernel writing partial sums that torch reduces (torch.use_deterministic_algorithms)
   gluon            the Gluon kernel (Hopper, float32 adapters as bf16 pieces), atomics
   gluon_partials   the same with partial sums
-  gluon_rows128    the Gluon kernel on 128-row programs, its grid sized for three an SM, as before 2026-11-27's
-                   256-row programs (twice gluon's dB atomics; ranks <= 32)
+  gluon_rows128    the Gluon kernel on 128-row programs, its grid sized for three an SM: the config before 26b5add's
+                   256-row programs (twice gluon's dB atomics; ranks <= 32), with today's column splits (rounded down)
 float32 adapters (PEFT's default) at ranks 16, 32, 64, and bf16 ones at rank 16 (no Gluon kernel: the Triton one is
 as fast there). Outputs are checked against float64 first; CUDA graphs alternate call by call. Rows:
 <out>/expand_backward.csv (bench `expand_backward`, ratio to `triton_partials`, metric: read floor of dy in us at the
