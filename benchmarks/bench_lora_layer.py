@@ -25,7 +25,6 @@ Rows go to benchmarks/results/lora_layer.csv (and $OUT when set); ratio = time /
 """
 import argparse
 import copy
-import importlib
 import os
 import sys
 from unittest import mock
@@ -176,14 +175,12 @@ def sweep_configs():
         bwd_cublas = time_ms(lambda: g @ w)[0]
         line = [f"K{k}_N{n}: cuBLAS fwd {fwd_cublas:.3f} bwd {bwd_cublas:.3f}"]
         for cfg in configs:
-            for tma in (False, True):
-                try:
-                    f = time_ms(lambda: lora_matmul(x, w.t(), s, B.t(), 2.0, config=cfg, tma=tma))[0]
-                    b = time_ms(lambda: lora_matmul(g, w, s, A, 1.0, config=cfg, tma=tma))[0]
-                    line.append(f"  {cfg} tma={tma}: fwd {f:.3f} ({f / fwd_cublas:.2f}) "
-                                f"bwd {b:.3f} ({b / bwd_cublas:.2f})")
-                except Exception as exc:  # a config that does not fit shared memory
-                    line.append(f"  {cfg} tma={tma}: {type(exc).__name__} {str(exc)[:80]}")
+            try:
+                f = time_ms(lambda: lora_matmul(x, w.t(), s, B.t(), 2.0, config=cfg))[0]
+                b = time_ms(lambda: lora_matmul(g, w, s, A, 1.0, config=cfg))[0]
+                line.append(f"  {cfg}: fwd {f:.3f} ({f / fwd_cublas:.2f}) bwd {b:.3f} ({b / bwd_cublas:.2f})")
+            except Exception as exc:  # a config that does not fit shared memory
+                line.append(f"  {cfg}: {type(exc).__name__} {str(exc)[:80]}")
         print("\n".join(line))
 
 
@@ -370,11 +367,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also print base's and lorafuse's kernels per "
                         "training shape (torch.profiler)")
     parser.add_argument("--sweep-decode", action="store_true")
-    parser.add_argument("--shrink-separately", action="store_true",
-                        help="the route before ops/_shrink_matmul_gluon.py: shrink, then the GEMM (an A/B switch)")
     args = parser.parse_args()
-    if args.shrink_separately:  # lorafuse.ops.lora_linear is the function: the module by its full name
-        importlib.import_module("lorafuse.ops.lora_linear").SHRINK_IN_GEMM_UP_TO_N = 0
     ok = True if args.no_check else check_correctness()
     if args.check_only or not ok:  # timings of wrong kernels are not results
         sys.exit(0 if ok else 1)

@@ -79,11 +79,6 @@ def atomic_partial_sums(parts: int) -> bool:
     return parts > 1 and not torch.are_deterministic_algorithms_enabled()
 
 
-# Partial sums kept for a fixed order beyond this many bytes (a long prompt or batch at a high rank): the fused kernels
-# that would write them (_shrink_matmul_gluon's s, _lora_matmul_gluon's dA) decline, and the separate passes run.
-MAX_PARTS_BYTES = 256 << 20
-
-
 def partial_sums(parts: int, shape, device, fixed_order: bool = False, zeroed: bool = True,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
     """(buffer, atomic) for a kernel's `parts` float32 partial sums of an output of `shape`: with atomic

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
-from ._lora_expand_gluon import expand_backward_gluon, gluon_expand_backward_ready
 from ._tiles import (lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count, split_in_blocks,
                      store_partial, summed)
 from .activation import activate, activate_grad, activation_reference
@@ -160,16 +159,11 @@ def _expand_backward_config(M, N, tf32x3, sms):
 
 def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, config=None):
     """One pass over dy: returns (g, ds, dB, dbias); g is dy when the activation is the identity.
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks), and keeps the
-    Triton kernel; without it, Hopper takes the Gluon kernel where it applies (_lora_expand_gluon.py)."""
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks)."""
     # dy: [M, N] contiguous, z: [M, N] or None, s: [M, r] fp32, B: [N, r]
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
     fp32 = lora_in_fp32(dy.dtype, B.dtype)
     on_pieces = activation_id == 0 and uses_bf16_pieces(dy.dtype, B.dtype)
-    if config is None and gluon_expand_backward_ready(dy, B, activation_id, need_dbias, on_pieces):
-        grads = expand_backward_gluon(dy, s, B, scale, sm_count(dy.device))
-        if grads is not None:
-            return dy, *grads, None
     b_operand = bf16_pieces(B) if on_pieces else B.contiguous()
     config = config or _expand_backward_config(M, N, fp32 and not on_pieces, sm_count(dy.device))
     block_m, block_n, warps, stages, programs = config

@@ -1,22 +1,19 @@
 """The fused LoRA linear op: y = act(x W^T + scale * (dropout(x) A^T) B^T + bias).
 
-`lora_linear` is the entry point: Triton kernels on CUDA (and on CPU under
-TRITON_INTERPRET=1), `lora_linear_reference` otherwise, with the reason logged once.
+`lora_linear` is the entry point: Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1),
+`lora_linear_reference` otherwise, with the reason logged once.
 
-Two back-ends for the frozen-weight GEMMs (x W^T forward, g W backward), chosen by the
-LORAFUSE_GEMM environment variable or the `gemm` argument:
-  "triton"  the GEMM is `lora_matmul` (TMA tiles on Hopper), with the rank-r term, bias and
-            activation in its epilogue: no pass over y, nor over dx without dropout. On Hopper without
-            activation the forward's shrink streams beside that GEMM on the SMs its last wave leaves free
-            (_shrink_beside_gluon.py; with dropout, the rows the stream would not make in time are shrunk
-            first), or without dropout, up to 4096 output columns, runs inside it (_shrink_matmul_gluon.py);
-            without dropout the backward's dA streams beside the dx GEMM (_shrink_grad_beside_gluon.py) or
-            runs inside it (_lora_matmul_gluon.dx_and_shrink_grad_gluon);
-  "cublas"  cuBLAS, accumulating into a buffer that the adapter kernels pre-wrote
-            (addmm with beta=1): one extra write of y and of dx;
-  "auto"    the one measured faster for the shape and device (benchmarks/bench_lora_layer.py).
-On "auto", inference on at most 16 rows (decoding, dropout off) takes `lora_decode`, or, made eagerly (not in a
-CUDA-graph capture), PyTorch's launches of the reference: the host's launch time is the cost there.
+The routes, all decided in `_route` from the call's shape, dtypes and mode (LORAFUSE_GEMM=auto|cublas|triton, or the
+`gemm` argument, forces the frozen-GEMM back-end):
+  "cublas"  training sizes: the shrink kernel (dropout drawn in it) makes s, lora_expand writes scale * s B^T + bias
+            into y and cuBLAS adds x W^T into it (addmm, beta=1). Backward: one pass over dy (ds, dB), one over x
+            (dA and the dropout-masked dx term), then cuBLAS adds g W into dx. Few launches a layer, each cheap on
+            the host: the eager training step is bound by the host's launches as much as by the GPU.
+  "triton"  up to 64 rows with 16-bit adapter math (or forced): one Triton GEMM with the shrink in its K-loop and the
+            rank-r term in its epilogue; backward's dx GEMM adds ds A in its epilogue.
+  "decode"  inference on at most 16 rows without dropout: lora_decode's split-K GEMV kernels.
+  "torch"   the same rows called eagerly (outside a CUDA-graph capture): the reference's few PyTorch launches, since
+            a Triton launch costs the host more than the GEMV costs the GPU.
 """
 import os
 
@@ -25,17 +22,12 @@ import torch.nn.functional as F
 
 from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
-from ._bf16_pieces import uses_bf16_pieces
-from ._lora_matmul_gluon import dx_and_shrink_grad_gluon, shrink_grad_gemm_ready
-from ._shrink_beside_gluon import shrink_matmul_beside
-from ._shrink_grad_beside_gluon import dx_beside_shrink_grad
-from ._shrink_matmul_gluon import SHRINK_IN_GEMM_UP_TO_N, shrink_matmul_gluon, shrink_matmul_ready
-from ._tiles import adapter_math, lora_in_fp32, padded_rank, sm_count
+from ._tiles import adapter_math, lora_in_fp32
 from .activation import ACTIVATIONS, activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
 from .lora_decode import DECODE_MAX_ROWS, lora_decode
 from .lora_expand import lora_expand, lora_expand_backward
-from .lora_matmul import fills_the_gpu, lora_matmul, tma_ready
+from .lora_matmul import lora_matmul
 from .lora_shrink import lora_shrink, lora_shrink_backward
 
 GEMM_BACKENDS = ("auto", "triton", "cublas")
@@ -56,65 +48,35 @@ def lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0,
     return activation_reference(z, activation).to(x.dtype)
 
 
-def _resolve_gemm(gemm, x, weight, lora_A, act, decoding, launch_bound=False):
-    """"triton", "cublas", or on "auto" also "decode" (lora_decode) and "torch" (PyTorch's launches of the reference:
-    launch-bound calls)."""
-    # x: [M, K], weight: [N, K], lora_A: [r, K]; act: activation id
+def _route(gemm, x, lora_A, decoding, launch_bound=False):
+    """"cublas", "triton", "decode" or "torch": the module docstring's table."""
+    # x: [M, K], lora_A: [r, K]
     gemm = gemm or os.environ.get("LORAFUSE_GEMM", "auto")
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"LORAFUSE_GEMM / gemm={gemm!r} is not one of {', '.join(GEMM_BACKENDS)}")
     if gemm != "auto":
         return gemm
     if launch_bound:
-        # A few rows outside a CUDA-graph capture (decoding with transformers' generate): the host sets the pace. The
-        # GEMV takes microseconds, a Triton launch tens of them (bench_lora_layer.py's eager decode rows), so PyTorch's
-        # few launches of the same math (the reference, as PEFT computes it) are the fastest there.
         return "torch"
-    # Measured (benchmarks/results/lora_layer.csv, decode.csv). Decoding (inference, <= 16 rows) runs lora_decode
-    # (ops.gemv on one row, else its split-K kernels): the Triton GEMM reads the weights at about half cuBLAS's
-    # bandwidth there. Other small batches take the single-launch Triton kernel (shrink in its K-loop),
-    # unless that K-loop carries fp32 adapter math. Training sizes on Hopper take the persistent Gluon GEMM with the
-    # rank-r term as one more K-step (1.01-1.05x cuBLAS's GEMM alone at 8192 rows, r = 16, no activation), which saves
-    # the cuBLAS route's pre-write of y and its read-back, where it was measured so: 16-bit adapter math or bf16
-    # pieces (tf32x3 tiles spill), rank <= 64 (measured up to there; 128 overflowed the shared memory of the Triton
-    # TMA kernel, which an activation still takes) and no activation (an fp32 Z to store costs that kernel a stage:
-    # 1.21x slower than cuBLAS's route). Elsewhere cuBLAS plus the fused epilogue kernels.
-    M = x.shape[0]
     if decoding:
         return "decode"
-    fp32_math = lora_in_fp32(x.dtype, lora_A.dtype)
-    if M <= FUSED_SHRINK_MAX_ROWS:
-        return "cublas" if fp32_math else "triton"
-    measured = (act == 0 and padded_rank(lora_A.shape[0]) <= 64
-                and (not fp32_math or uses_bf16_pieces(x.dtype, lora_A.dtype)))
-    on_tma = measured and tma_ready(x, weight.t()) and fills_the_gpu(M, weight.shape[0], x.device)
-    return "triton" if on_tma else "cublas"
+    small = x.shape[0] <= FUSED_SHRINK_MAX_ROWS and not lora_in_fp32(x.dtype, lora_A.dtype)
+    return "triton" if small else "cublas"
 
 
-def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, store_z, fixed_order):
-    """Returns (y, s, z): the output, the shrink s = dropout(x) A^T (fp32) and, with store_z, z. fixed_order: the same
-    inputs give the same bits (inference, deterministic algorithms), where a faster kernel would add in any order."""
+def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, store_z):
+    """Returns (y, s, z): the output, the shrink s = dropout(x) A^T (fp32) and, with store_z, z."""
     # x: [M, K] (unit column stride), weight: [N, K], lora_A: [r, K], lora_B: [N, r]
     M = x.shape[0]
-    threshold, drop_scale = dropout_args(dropout_p)
     if gemm == "triton" and M <= FUSED_SHRINK_MAX_ROWS:
+        threshold, drop_scale = dropout_args(dropout_p)
         s = torch.empty(M, lora_A.shape[0], device=x.device, dtype=torch.float32)
         y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, seed, threshold, drop_scale,
                            shrink_weight=lora_A, mask_input=dropout_p > 0.0, store_z=store_z)
         return y, s, z
-    if gemm == "triton" and act == 0 and tma_ready(x, weight.t()):
-        beside = shrink_matmul_beside(x, weight, lora_A, lora_B, scale, bias, dropout_p, seed)
-        if beside is not None:  # the shrink streamed on the SMs the GEMM leaves free (Hopper, _shrink_beside_gluon.py)
-            return (*beside, None)
-        if (dropout_p == 0.0 and weight.shape[0] <= SHRINK_IN_GEMM_UP_TO_N
-                and shrink_matmul_ready(x, weight, lora_A, lora_B, bias)):
-            fused = shrink_matmul_gluon(x, weight, lora_A, lora_B, scale, bias, sm_count(x.device),
-                                        fixed_order=fixed_order)
-            if fused is not None:  # the shrink inside the GEMM's K-loop (Hopper, _shrink_matmul_gluon.py)
-                return (*fused, None)
     s = lora_shrink(x, lora_A, dropout_p, seed)
     if gemm == "triton":
-        y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, store_z=store_z, tma=True)
+        y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, store_z=store_z)
     elif act == 0:
         y, z = lora_expand(None, s, lora_B, scale, bias,
                            out=torch.empty(M, weight.shape[0], device=x.device, dtype=x.dtype))
@@ -128,8 +90,7 @@ class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
         y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm,
-                                 store_z=act != 0 and any(ctx.needs_input_grad[:5]),
-                                 fixed_order=torch.are_deterministic_algorithms_enabled())
+                                 store_z=act != 0 and any(ctx.needs_input_grad[:5]))
         ctx.save_for_backward(x, weight, bias, lora_A, lora_B, s, seed, z)
         ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm = scale, dropout_p, act, gemm
         ctx.dtypes = (None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
@@ -145,13 +106,10 @@ class _LoraLinear(torch.autograd.Function):
         p = ctx.dropout_p
         g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, ctx.scale, ctx.act, need_bias)
         dx = None
-        # The dropout mask in the GEMM epilogue costs more than the pre-write it saves: drawn in the persistent TMA
-        # GEMM (before its K-loop, where registers are free) it made dx 6-8 % slower, about what the cuBLAS route's
-        # masked pre-write and read-back cost (H200, NOTES_lora_layer.md). With dropout dx takes the cuBLAS
-        # route even when the forward ran the Triton GEMM.
-        if need_x and ctx.gemm == "triton" and p == 0.0:
-            dx, dA = _dx_and_shrink_grad(g, weight, ds, lora_A, x)
-        elif need_x:
+        if need_x and ctx.gemm == "triton" and p == 0.0:  # ds A in the dx GEMM's epilogue
+            dA = lora_shrink_backward(ds, x, lora_A)
+            dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0)
+        elif need_x:  # the masked dx term written by the pass over x, cuBLAS's g W added into it
             dx = torch.empty_like(x)
             dA = lora_shrink_backward(ds, x, lora_A, p, seed, dx_out=dx)
             dx.addmm_(g, weight)
@@ -161,26 +119,6 @@ class _LoraLinear(torch.autograd.Function):
         bias_dtype, a_dtype, b_dtype = ctx.dtypes
         return (dx, dW, dbias.to(bias_dtype) if need_bias else None, dA.to(a_dtype) if need_a else None,
                 dB.to(b_dtype) if need_b else None, None, None, None, None, None)
-
-
-def _dx_and_shrink_grad(g, weight, ds, lora_A, x):
-    """(dx, dA) without dropout: dx = g W + ds A and dA = ds^T x. On Hopper dx's Gluon GEMM runs on fewer SMs in the
-    same waves while dA streams on the SMs left free (_shrink_grad_beside_gluon.py); where none are, or the stream
-    would outlast the GEMM, one Gluon GEMM makes both, dA from two more steps a dx tile
-    (_lora_matmul_gluon.dx_and_shrink_grad_gluon)."""
-    # g: [M, N], weight: [N, K], ds: [M, r] fp32, lora_A: [r, K], x: [M, K]
-    pieces = uses_bf16_pieces(x.dtype, lora_A.dtype)
-    if tma_ready(g, weight):
-        beside = dx_beside_shrink_grad(g, weight, ds, lora_A, x, pieces)
-        if beside is not None:
-            return beside
-        if shrink_grad_gemm_ready(g, weight, lora_A, x, pieces):
-            fused = dx_and_shrink_grad_gluon(g, weight, ds, lora_A, x, pieces, sm_count(x.device))
-            if fused is not None:
-                return fused
-    dA = lora_shrink_backward(ds, x, lora_A)
-    dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0, tma=True)
-    return dx, dA
 
 
 def _reference_of_apply(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
@@ -267,7 +205,7 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     # the reference computes in the operands' dtypes: one dtype for bias and x, one for the adapters
     launch_bound = (decoding and _launch_bound(x2) and (bias is None or bias.dtype == x2.dtype)
                     and lora_A.dtype == lora_B.dtype)
-    gemm = _resolve_gemm(gemm, x2, weight, lora_A, act, decoding, launch_bound)
+    gemm = _route(gemm, x2, lora_A, decoding, launch_bound)
     if gemm == "torch":
         return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, 0.0, activation)
     args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act, gemm)
@@ -277,6 +215,5 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
         elif gemm == "decode":
             y = lora_decode(x2, weight, bias, lora_A, lora_B, float(scale), act)
         else:
-            # inference: no autograd node, less launch overhead; a batch gives the same bits run after run
-            y = _fused_forward(*args, store_z=False, fixed_order=True)[0]
+            y = _fused_forward(*args, store_z=False)[0]  # inference: no autograd node, less launch overhead
     return y.view(*shape[:-1], weight.shape[0])

@@ -5,29 +5,17 @@ Used where cuBLAS plus a separate epilogue pass would cost a read and a write of
   backward  dx = g @ W + ds @ A_lora                             (L = ds, R = A_lora; no dropout)
 With FUSE_SHRINK the rank-r input L = dropout(A_op) @ A_lora^T is itself accumulated in the
 K-loop (decode sizes: one launch, x read once); programs of the first column block store it.
-A dropout mask on dx's adapter term is not fused here: drawn in this epilogue it spilled
-registers at 128x256 tiles (1.6-6.7x cuBLAS on an H200); drawn in the persistent TMA kernel before
-its K-loop it cost that GEMM 6-8 %, as much as the cuBLAS route's masked pre-write saves. That case
-takes the cuBLAS route.
-On Hopper, without an activation or Z, the TMA route runs the Gluon kernel of _lora_matmul_gluon.py instead of
-_lora_matmul_tma: the rank-r term as one more K-step of a hand-written, warp-specialised pipeline (1.00-1.03x cuBLAS's
-GEMM alone on an H200 since warp specialization, 1.01-1.05x before; the Triton kernel 1.02-1.08x;
-benchmarks/results/rank_r_gemm.csv, benchmarks/NOTES_lora_layer.md).
+A dropout mask on dx's adapter term is not fused here (drawn in this epilogue it spilled registers): that case takes
+the cuBLAS route (lora_linear.py).
 """
 import torch
 import triton
 import triton.language as tl
 
 from ._bf16_pieces import split_bf16, uses_bf16_pieces
-from ._lora_matmul_gluon import gluon_gemm_ready, lora_matmul_gluon
-from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank, sm_count
+from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank
 from .activation import activate, activation_reference
 from .dropout import PHILOX_ROUNDS, keep_tile
-
-try:  # Triton >= 3.3; older versions run the pointer-based kernel only
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover
-    TensorDescriptor = None
 
 
 def lora_matmul_reference(a, b, low, right, scale, bias=None, activation="identity", dtype=None):
@@ -158,70 +146,6 @@ def _epilogue(acc, low, rows, cols, c_ptr, z_ptr, r_ptr, bias_ptr, M, N, rank, s
     tl.store(c_ptr + offs, activate(acc, ACT).to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _lora_matmul_tma(a_desc, b_desc, c_desc, z_desc, l_ptr, r_ptr, bias_ptr, M, N, K, rank, scale, stride_rr,
-                     stride_rn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
-                     B_K_MAJOR: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, R: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     PRECISION: tl.constexpr, LORA_PRECISION: tl.constexpr):
-    # The same GEMM with tiles moved by the TMA engine (Hopper), persistent: the programs (one per SM) walk the output
-    # tiles. a_desc over A [M, K] in [BM, BK] boxes; b_desc over B [N, K] in [BN, BK] boxes when B_K_MAJOR
-    # (x @ W^T), else over B [K, N] in [BK, BN] boxes (g @ W); c_desc (z_desc) over C (Z) [M, N] in [BM, BN / 2]
-    # boxes. Out-of-range boxes read zeros and are clipped on store. The epilogue's rank-r operands are loaded
-    # before the K-loop, so their latency hides behind it (measured 1-2 % of the GEMM).
-    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        low = _rank_r_rows(l_ptr, rows, M, rank, R)
-        r = _rank_r_tile(r_ptr, cols, N, rank, stride_rr, stride_rn, R)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k0])
-            if B_K_MAJOR:
-                acc = tl.dot(a, b_desc.load([pid_n * BLOCK_N, k0]).T, acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(a, b_desc.load([k0, pid_n * BLOCK_N]), acc, input_precision=PRECISION)
-        acc = add_rank_r(acc, low, r, scale, tl.float32 if LORA_FP32 else c_desc.dtype, ON_PIECES, LORA_PRECISION)
-        # stored as two [BM, BN / 2] halves: half the registers for bias, activation and the staged store
-        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        _store_tma(left, pid_m * BLOCK_M, pid_n * BLOCK_N, c_desc, z_desc, bias_ptr, N, ACT, HAS_BIAS, STORE_Z)
-        _store_tma(right, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2, c_desc, z_desc, bias_ptr, N, ACT,
-                   HAS_BIAS, STORE_Z)
-
-
-@triton.jit
-def _store_tma(acc, row0, col0, c_desc, z_desc, bias_ptr, N, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-               STORE_Z: tl.constexpr):
-    # acc: [BM, W] fp32 pre-bias tile of C at (row0, col0): bias, Z, activation, stored through the descriptors
-    if HAS_BIAS:
-        cols = col0 + tl.arange(0, acc.shape[1])
-        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if STORE_Z:
-        z_desc.store([row0, col0], acc.to(z_desc.dtype))
-    c_desc.store([row0, col0], activate(acc, ACT).to(c_desc.dtype))
-
-
-def tma_ready(a, b):
-    """Whether lora_matmul(a, b, ..., tma=True) moves its tiles with TMA: a CUDA device of compute capability >= 9,
-    16-bit operands with unit inner strides, 16-byte aligned row strides and base addresses (C's rows too)."""
-    # a: [M, K], b: [K, N] (any strides)
-    if not (a.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(a.device)[0] >= 9
-            and a.dtype != torch.float32 and TensorDescriptor is not None):
-        return False
-    c_row_bytes = b.shape[1] * a.element_size()
-    return c_row_bytes % 16 == 0 and all(
-        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (a, b.t() if b.stride(0) == 1 else b))
-
-
-def fills_the_gpu(M, N, device):
-    """Whether the large tiles of lora_matmul's TMA kernel make at least one wave over the device's SMs."""
-    # M > 64 (smaller batches take other tiles)
-    block_m, block_n = _config(M, N, 0, torch.bfloat16)[:2]
-    return triton.cdiv(M, block_m) * triton.cdiv(N, block_n) >= sm_count(device)
-
-
 def _config(M, N, K, dtype):
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), fixed per shape class so that
     no autotuning ever runs inside a CUDA-graph capture."""
@@ -231,27 +155,17 @@ def _config(M, N, K, dtype):
         return 64, 64, 64, 8, 4, 4
     if dtype == torch.float32:
         return 64, 64, 32, 8, 4, 3
-    return 128, 256, 64, 8, 8, 4  # the TMA kernel takes one stage less (_tma_stages)
-
-
-def _tma_stages(stages, store_z_fp32):
-    # The persistent TMA kernel stages its stores in shared memory too: 4 stages of 128x256x64 tiles do not fit beside
-    # them (H200), and an fp32 Z tile's staged store takes one more. Swept on an H200 at 4096-14336 wide, 8192 rows,
-    # r = 16, identity: 1.02-1.07x cuBLAS's GEMM alone, rank-r term included.
-    return min(stages, 2 if store_z_fp32 else 3)
+    return 128, 256, 64, 8, 8, 4
 
 
 def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, threshold=0, drop_scale=1.0,
-                shrink_weight=None, mask_input=False, store_z=False, config=None, tma=False):
+                shrink_weight=None, mask_input=False, store_z=False, config=None):
     """C = act(a @ b + scale * (low @ right) + bias); returns (C, Z or None).
 
     a: [M, K], b: [K, N] (views with any strides: pass W.t() for x @ W^T), right: [r, N] view,
     low: [M, r] fp32 (read; or written when shrink_weight [r, K] fuses the shrink into the K-loop,
     with the dropout mask of (seed, threshold, drop_scale) on a when mask_input).
     config: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) overrides the table (benchmarks).
-    tma: run the persistent kernel whose tiles (loads and stores) move through Hopper's TMA engine, where the layout
-    allows it (tma_ready); else the pointer kernel. Without an activation, Z or config, on Hopper with 16-bit rank-r
-    products (bf16 pieces included), that kernel is the Gluon one (_lora_matmul_gluon.py).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -259,32 +173,11 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
     fp32 = lora_in_fp32(a.dtype, right.dtype)
     on_pieces = uses_bf16_pieces(a.dtype, right.dtype)
     sw = shrink_weight
-    if tma and sw is None and activation_id == 0 and not store_z and config is None and tma_ready(a, b) and \
-            gluon_gemm_ready(a, b, right, on_pieces):
-        c = lora_matmul_gluon(a, b, low, right, scale, bias, on_pieces, sm_count(a.device))
-        if c is not None:
-            return c, None
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     # The pre-activation for act'(z) in backward: fp32 when the adapter path is fp32, as in PEFT.
     z = torch.empty(M, N, device=a.device, dtype=torch.float32 if fp32 else a.dtype) if store_z else None
     block_m, block_n, block_k, group_m, warps, stages = config or _config(M, N, K, a.dtype)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    if tma and sw is None and tma_ready(a, b):
-        b_k_major = b.stride(0) == 1  # b is W^T: W [N, K] row-major
-        b_host = b.t() if b_k_major else b
-        b_block = [block_n, block_k] if b_k_major else [block_k, block_n]
-        c_desc = TensorDescriptor.from_tensor(c, [block_m, block_n // 2])
-        programs = min(grid[0], sm_count(a.device))  # persistent: at most one program per SM
-        stages = _tma_stages(stages, store_z and z.element_size() == 4)
-        _lora_matmul_tma[(programs,)](
-            TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b_host, b_block),
-            c_desc, TensorDescriptor.from_tensor(z, [block_m, block_n // 2]) if store_z else c_desc,
-            low, right, bias, M, N, K, r, scale, right.stride(0), right.stride(1),
-            ACT=activation_id, HAS_BIAS=bias is not None, STORE_Z=store_z,
-            B_K_MAJOR=b_k_major, LORA_FP32=fp32, ON_PIECES=on_pieces, R=padded_rank(r), BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, PRECISION=dot_precision(a.dtype),
-            LORA_PRECISION=lora_precision(a.dtype, right.dtype), num_warps=warps, num_stages=stages)
-        return c, z
     _lora_matmul[grid](
         a, b, c, z, low, right, sw, bias, seed, M, N, K, r, scale, threshold, drop_scale,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), right.stride(0), right.stride(1),

@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
-from ._shrink_backward_gluon import gluon_shrink_backward_ready, shrink_backward_gluon
 from ._tiles import (lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count, split_in_blocks,
                      store_partial, summed)
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
@@ -187,18 +186,12 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, out=None):
 
 def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None):
     """dA = ds^T @ dropout(x) -> [r, K] fp32. With dx_out ([M, K]), also writes the adapter's dx.
-    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks), and keeps the
-    Triton kernel; without it, Hopper takes the Gluon kernel for dropout with dx where it applies
-    (_shrink_backward_gluon.py)."""
+    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks)."""
     # ds: [M, r] fp32, x: [M, K], A: [r, K]
     M, K = x.shape
     r = A.shape[0]
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
-    if config is None and gluon_shrink_backward_ready(x, A, dropout_p, dx_out, on_pieces, fp32):
-        dA = shrink_backward_gluon(ds, x, A, dropout_p, seed, dx_out, sm_count(x.device))
-        if dA is not None:
-            return dA
     pieces_of_a = on_pieces and dx_out is not None  # dx's product takes A's pieces; dA's takes ds's
     # Swept on an H200 (NOTES_lora_layer.md, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
     # bf16 adapters): dA alone and dx with the mask want 32 x 128 / 16 x 256 blocks, dx without the mask on pieces

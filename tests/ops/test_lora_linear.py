@@ -5,7 +5,6 @@ import importlib
 import pytest
 import torch
 
-from lorafuse.ops.activation import activation_id
 from lorafuse.ops.lora_linear import lora_linear, lora_linear_reference
 from tests.ops._helpers import BIG_SEED, assert_all_close, cast, dtype_id, forward_backward, seed_tensor
 
@@ -164,27 +163,21 @@ def test_auto_back_end(shape):
     check(x_shape, n, 8, torch.float32, None, 0.1, "identity")
 
 
-@pytest.mark.parametrize("on_tma", [False, True], ids=["no_tma", "tma"])
-def test_auto_takes_the_tma_gemm_where_it_fills_the_gpu(on_tma, monkeypatch):
-    # Past the small-batch kernel, "auto" takes the Triton GEMM only where it runs on TMA tiles (Hopper) over at
-    # least one wave of tiles, and only for what was measured there: 16-bit adapter math or bf16 pieces, rank <= 64,
-    # no activation. Otherwise cuBLAS. On CPU neither TMA nor a wave holds, so both are declared here.
-    monkeypatch.setattr(lora_linear_module, "tma_ready", lambda a, b: on_tma)
-    monkeypatch.setattr(lora_linear_module, "fills_the_gpu", lambda m, n, device: True)
-    resolve = lora_linear_module._resolve_gemm
-    x, weight = torch.randn(113, 48, dtype=torch.bfloat16), torch.randn(80, 48, dtype=torch.bfloat16)
-    pieces, half, rank_128 = torch.randn(16, 48), torch.randn(64, 48, dtype=torch.bfloat16), torch.randn(128, 48)
-    expected = "triton" if on_tma else "cublas"
-    assert resolve(None, x, weight, pieces, 0, False) == expected  # PEFT's fp32 adapters on bf16: bf16 pieces
-    assert resolve(None, x, weight, half, 0, False) == expected
-    assert resolve(None, x, weight, pieces, activation_id("silu"), False) == "cublas"  # an fp32 Z to store
-    assert resolve(None, x, weight, rank_128.bfloat16(), 0, False) == "cublas"  # past its shared memory
-    assert resolve(None, x.half(), weight.half(), pieces, 0, False) == "cublas"  # fp16 with fp32 adapters: tf32x3
-    monkeypatch.setattr(lora_linear_module, "fills_the_gpu", lambda m, n, device: False)
-    assert resolve(None, x, weight, pieces, 0, False) == "cublas"
-    assert resolve(None, x[:7], weight, pieces, 0, False) == "cublas"  # fp32 math in the small-batch K-loop
-    assert resolve(None, x[:7], weight, half, 0, False) == "triton"  # one launch
-    assert resolve(None, x[:7], weight, half, 0, True) == "decode"  # lora_decode
+def test_route_table():
+    # Training sizes take the cuBLAS route; up to 64 rows with 16-bit adapter math, the one-launch Triton GEMM;
+    # inference on up to 16 rows, the decode kernels, or PyTorch's launches when called eagerly on a GPU.
+    route = lora_linear_module._route
+    x = torch.randn(113, 48, dtype=torch.bfloat16)
+    fp32_adapters, half_adapters = torch.randn(16, 48), torch.randn(16, 48, dtype=torch.bfloat16)
+    assert route(None, x, fp32_adapters, False) == "cublas"
+    assert route(None, x, half_adapters, False) == "cublas"
+    assert route(None, x[:64], half_adapters, False) == "triton"  # one launch
+    assert route(None, x[:64], fp32_adapters, False) == "cublas"  # fp32 math in the small-batch K-loop
+    assert route(None, x[:7], half_adapters, True) == "decode"
+    assert route(None, x[:7], half_adapters, True, launch_bound=True) == "torch"
+    assert route("triton", x, fp32_adapters, False) == "triton"  # forced
+    with pytest.raises(ValueError, match="LORAFUSE_GEMM"):
+        route("cutlass", x, fp32_adapters, False)
 
 
 @pytest.mark.parametrize("activation", ["identity", "silu"])

@@ -1,6 +1,5 @@
 """lora_matmul: C = act(a @ b + scale * (low @ right) + bias), Z, and the fused
 shrink (low = dropout(a) @ shrink_weight^T written by the kernel), against float64."""
-import importlib
 
 import pytest
 import torch
@@ -124,38 +123,3 @@ def test_tiling_does_not_change_the_result(config):
     check(c, z, a, b, low, right, bias, "gelu", torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
-@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed_views"])
-@pytest.mark.parametrize("m, k, n, config", [(7, 104, 40, None), (113, 128, 80, None), (1023, 64, 40, None),
-                                             (113, 104, 80, (32, 32, 32, 3, 4, 1))],
-                         ids=["M7", "M113", "M1023", "M113_small_tiles"])
-def test_tma_kernel(m, k, n, config, transposed, dtype, monkeypatch):
-    # The TMA variant (tiles fetched through tensor descriptors; CUDA capability >= 9 only) runs
-    # here in the interpreter by declaring the inputs TMA-ready. Rows 16-byte aligned, as the
-    # GPU requires; K = 104 ends in a partial box (the descriptor reads zeros past K). Small
-    # tiles: several column blocks and a partial group of rows.
-    module = importlib.import_module("lorafuse.ops.lora_matmul")
-    assert module.TensorDescriptor is not None
-    monkeypatch.setattr(module, "tma_ready", lambda a, b: True)
-    a, b, low, right, bias = operands(m, k, n, 8, dtype, transposed)
-    c, z = lora_matmul(a, b, low, right, SCALE, bias, activation_id("gelu"), store_z=True, config=config, tma=True)
-    check(c, z, a, b, low, right, bias, "gelu", dtype)
-
-
-@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
-def test_tma_kernel_walks_several_tiles_per_program(adapter_dtype, monkeypatch):
-    # The TMA kernel is persistent: with 3 programs each walks five of the 15 tiles (a partial row group and partial
-    # column blocks included). float32 adapters take the bf16-piece epilogue.
-    module = importlib.import_module("lorafuse.ops.lora_matmul")
-    monkeypatch.setattr(module, "tma_ready", lambda a, b: True)
-    monkeypatch.setattr(module, "sm_count", lambda device: 3)
-    m, k, n, r = 150, 104, 88, 8
-    a, b, low, right, bias = operands(m, k, n, r, torch.bfloat16, True)
-    right = right.to(adapter_dtype)
-    c, z = lora_matmul(a, b, low, right, SCALE, bias, activation_id("silu"), store_z=True,
-                       config=(32, 32, 32, 3, 4, 1), tma=True)
-    assert z.dtype == (torch.float32 if adapter_dtype == torch.float32 else torch.bfloat16)
-    exact_c, exact_z = expected(a, b, low, right, bias, "silu")
-    plain_c, plain_z = expected(a, b, low, right.to(torch.bfloat16), bias, "silu", dtype=torch.bfloat16)
-    assert_close(c, exact_c, torch.bfloat16, plain_c, "C")
-    assert_close(z.to(torch.bfloat16) if adapter_dtype == torch.float32 else z, exact_z, torch.bfloat16, plain_z, "Z")
