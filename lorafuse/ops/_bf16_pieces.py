@@ -7,8 +7,8 @@ tensor-core speed, where tf32x3 splits both operands in every tile and runs fp32
 adds truncate: reductions over a long K add each step's three products to their fp32 sum with one rounded add
 (`dot_pieces`). Chained inside the tensor cores instead, the sums drifted 5-25x past PyTorch's fp32
 error (H200, K of 4096-14336).
-The pieces of a weight are made once per call (`bf16_pieces`); fp32 tiles met inside a kernel (s, ds) are split
-there (`split_bf16`). Where both operands are fp32 (lora_matmul's epilogue: s times B) the kernel keeps the three
+The kernels split every fp32 tile they load (the adapters' A and B, s, ds) in registers (`split_bf16`): no launch
+makes pieces ahead of them. Where both operands are fp32 (lora_matmul's epilogue: s times B) the kernel keeps the three
 largest of the nine piece products (the term to about 2^-17 of itself, under its bf16 output's rounding). fp16
 activations are not exact in bf16: they keep tf32x3.
 """
@@ -52,43 +52,3 @@ def dot_pieces(a, hi, mid, lo, acc):
     # joins acc in one rounded fp32 add. Hopper's tensor cores truncate what they accumulate; chained through a long
     # reduction the running sum drifted (shrink of x 8192 x 4096 on an H200: 1.4e-5 relative, PyTorch's fp32 5.7e-7).
     return acc + tl.dot(a, hi, tl.dot(a, mid, tl.dot(a, lo)))
-
-
-@triton.jit
-def _pieces_kernel(t_ptr, out_ptr, zero_ptr, zero2_ptr, n, zero_n, zero2_n, BLOCK: tl.constexpr):
-    # t: [n] fp32, out: [3, n] bf16; zero: [zero_n] fp32, zero2: [zero2_n] fp32. Programs in turn: cdiv(n, BLOCK)
-    # write the pieces, then cdiv(zero_n, BLOCK) zero `zero`, then cdiv(zero2_n, BLOCK) zero `zero2`.
-    pid = tl.program_id(0)
-    zero_start = tl.cdiv(n, BLOCK)
-    zero2_start = zero_start + tl.cdiv(zero_n, BLOCK)
-    if pid < zero_start:
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        hi, mid, lo = split_bf16(tl.load(t_ptr + offs, mask=ok, other=0.0))
-        tl.store(out_ptr + offs, hi, mask=ok)
-        tl.store(out_ptr + n + offs, mid, mask=ok)
-        tl.store(out_ptr + 2 * n + offs, lo, mask=ok)
-    elif pid < zero2_start:
-        offs = (pid - zero_start) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(zero_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < zero_n)
-    else:
-        offs = (pid - zero2_start) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(zero2_ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < zero2_n)
-
-
-def bf16_pieces(t: torch.Tensor, zero=()) -> torch.Tensor:
-    """[3, ...] bfloat16 pieces of a float32 tensor, contiguous: one launch. zero: up to two contiguous float32
-    tensors that the same launch fills with zeros (outputs that a kernel's atomics then add into: a fill costs a
-    launch of its own, about 1 us in a CUDA graph)."""
-    # t: [...] float32 -> [3, ...] bfloat16
-    if len(zero) > 2 or any(z.dtype != torch.float32 or not z.is_contiguous() for z in zero):
-        raise ValueError("bf16_pieces zeroes at most two contiguous float32 tensors")
-    t = t.contiguous()
-    out = torch.empty(PIECES, *t.shape, device=t.device, dtype=torch.bfloat16)
-    missing = 2 - len(zero)
-    zeros = list(zero) + [t] * missing  # t stands in for a missing one, with no elements to zero
-    sizes = [z.numel() for z in zero] + [0] * missing
-    block = 1024
-    programs = sum(triton.cdiv(n, block) for n in [t.numel()] + sizes)
-    _pieces_kernel[(programs,)](t, out, *zeros, t.numel(), *sizes, BLOCK=block)
-    return out

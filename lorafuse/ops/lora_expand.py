@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
+from ._bf16_pieces import dot_pieces, split_bf16, uses_bf16_pieces
 from ._tiles import (lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count, split_in_blocks,
                      store_partial, summed)
 from .activation import activate, activate_grad, activation_reference
@@ -59,7 +59,7 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
                 cols_per_split, ACT: tl.constexpr, STORE_G: tl.constexpr, STORE_DBIAS: tl.constexpr,
                 LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr, ATOMIC_DS: tl.constexpr, ATOMIC_DB: tl.constexpr,
                 R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    # dy, z, g: [M, N]; s: [M, rank] fp32; B: [N, rank] ([3, N, rank] bf16 pieces when ON_PIECES: ACT is 0)
+    # dy, z, g: [M, N]; s: [M, rank] fp32; B: [N, rank] contiguous (fp32, split into bf16 pieces when ON_PIECES)
     # ds_part: partial_sums' buffer of [M, rank] over column splits, db_part: [row_blocks, rank, N] (dB transposed),
     # dbias_part: [row_blocks, N] (fp32); ATOMIC_DB: db_part is dB^T itself, [rank, N] zeroed, and the row blocks
     # add into it
@@ -95,9 +95,7 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
         b_offs = cols[:, None] * rank + ranks[None, :]
         b_mask = col_ok[:, None] & offs_rank_ok
         if ON_PIECES:
-            b_hi = tl.load(b_ptr + b_offs, mask=b_mask, other=0.0)
-            b_mid = tl.load(b_ptr + N * rank + b_offs, mask=b_mask, other=0.0)
-            b_lo = tl.load(b_ptr + 2 * N * rank + b_offs, mask=b_mask, other=0.0)
+            b_hi, b_mid, b_lo = split_bf16(tl.load(b_ptr + b_offs, mask=b_mask, other=0.0))
             ds = dot_pieces(g, b_hi, b_mid, b_lo, ds)
             db_t = tl.dot(s_lo, g, tl.dot(s_mid, g, tl.dot(s_hi, g)))
         else:
@@ -164,7 +162,6 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
     fp32 = lora_in_fp32(dy.dtype, B.dtype)
     on_pieces = activation_id == 0 and uses_bf16_pieces(dy.dtype, B.dtype)
-    b_operand = bf16_pieces(B) if on_pieces else B.contiguous()
     config = config or _expand_backward_config(M, N, fp32 and not on_pieces, sm_count(dy.device))
     block_m, block_n, warps, stages, programs = config
     row_blocks = triton.cdiv(M, block_m)
@@ -175,7 +172,7 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     db_part, atomic = partial_sums(row_blocks, (r, N), dy.device)
     dbias_part = torch.empty(row_blocks, N, device=dy.device, dtype=torch.float32) if need_dbias else None
     _expand_bwd[(row_blocks, splits)](
-        dy, z, s, b_operand, g, ds_part, db_part, dbias_part, M, N, r, scale,
+        dy, z, s, B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale,
         cols_per_split, ACT=activation_id, STORE_G=store_g, STORE_DBIAS=need_dbias, LORA_FP32=fp32,
         ON_PIECES=on_pieces, ATOMIC_DS=atomic_ds, ATOMIC_DB=atomic, R=padded_rank(r),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dy.dtype, B.dtype),

@@ -20,8 +20,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
+from ._traceable_log import log_once_traceable
 from ._tiles import adapter_math, lora_in_fp32
 from .activation import ACTIVATIONS, activation_id, activation_reference
 from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
@@ -86,14 +86,34 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
     return y, s, z
 
 
+def _backward(dy, x, weight, lora_A, lora_B, s, seed, z, scale, dropout_p, act, gemm, needs):
+    """(dx, dW, dbias, dA, dB) in fp32 or x's dtype, None where `needs` (x, weight, bias, lora_A, lora_B) says no."""
+    # dy: [M, N], x: [M, K], weight: [N, K], lora_A: [r, K], lora_B: [N, r], s: [M, r] fp32, z: [M, N] or None
+    need_x, need_w, need_bias, _, _ = needs
+    g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, scale, act, need_bias)
+    dx = None
+    if need_x and gemm == "triton" and dropout_p == 0.0:  # ds A in the dx GEMM's epilogue
+        dA = lora_shrink_backward(ds, x, lora_A)
+        dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0)
+    elif need_x:  # the masked dx term written by the pass over x, cuBLAS's g W added into it
+        dx = torch.empty_like(x)
+        dA = lora_shrink_backward(ds, x, lora_A, dropout_p, seed, dx_out=dx)
+        dx.addmm_(g, weight)
+    else:
+        dA = lora_shrink_backward(ds, x, lora_A, dropout_p, seed)
+    dW = g.t() @ x if need_w else None
+    return dx, dW, dbias, dA, dB
+
+
 class _LoraLinear(torch.autograd.Function):
+    """The eager route: launches straight from the Function (the custom ops below cost more host time a call)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
         y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm,
                                  store_z=act != 0 and any(ctx.needs_input_grad[:5]))
         ctx.save_for_backward(x, weight, bias, lora_A, lora_B, s, seed, z)
         ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm = scale, dropout_p, act, gemm
-        ctx.dtypes = (None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
         return y
 
     @staticmethod
@@ -102,23 +122,77 @@ class _LoraLinear(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
             return differentiable_backward(_reference_of_apply, (x, weight, bias, lora_A, lora_B, ctx.scale,
                                                                  ctx.dropout_p, seed, ctx.act, ctx.gemm), dy)
-        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
-        p = ctx.dropout_p
-        g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, ctx.scale, ctx.act, need_bias)
-        dx = None
-        if need_x and ctx.gemm == "triton" and p == 0.0:  # ds A in the dx GEMM's epilogue
-            dA = lora_shrink_backward(ds, x, lora_A)
-            dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0)
-        elif need_x:  # the masked dx term written by the pass over x, cuBLAS's g W added into it
-            dx = torch.empty_like(x)
-            dA = lora_shrink_backward(ds, x, lora_A, p, seed, dx_out=dx)
-            dx.addmm_(g, weight)
-        else:
-            dA = lora_shrink_backward(ds, x, lora_A, p, seed)
-        dW = g.t() @ x if need_w else None
-        bias_dtype, a_dtype, b_dtype = ctx.dtypes
-        return (dx, dW, dbias.to(bias_dtype) if need_bias else None, dA.to(a_dtype) if need_a else None,
-                dB.to(b_dtype) if need_b else None, None, None, None, None, None)
+        grads = _backward(dy, x, weight, lora_A, lora_B, s, seed, z, ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm,
+                          ctx.needs_input_grad[:5])
+        return (*_in_dtypes_of(grads, (x, weight, bias, lora_A, lora_B)), None, None, None, None, None)
+
+
+def _in_dtypes_of(grads, inputs):
+    # each gradient in its input's dtype (None stays None)
+    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
+# The same computation as custom ops, which torch.compile traces through: the forward returns s (and z) for the
+# backward, which it saves as the Function does. Custom ops return no None: empty tensors stand for what is not there.
+
+@torch.library.custom_op("lorafuse::lora_linear", mutates_args=())
+def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
+                    lora_B: torch.Tensor, scale: float, dropout_p: float, seed: torch.Tensor | None, act: int,
+                    gemm: str, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # x: [M, K] -> y [M, N], s [M, r] fp32 (training; else [0]), z [M, N] (training with an activation; else [0])
+    gemm = gemm or None
+    if not training:
+        y = _inference(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm)
+        return y, x.new_empty(0), x.new_empty(0)
+    route = _route(gemm, x, lora_A, decoding=False)
+    y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, route, store_z=act != 0)
+    return y, s, x.new_empty(0) if z is None else z
+
+
+@_lora_linear_op.register_fake
+def _lora_linear_fake(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, training):
+    y = x.new_empty(x.shape[0], weight.shape[0])
+    if not training:
+        return y, x.new_empty(0), x.new_empty(0)
+    z_dtype = torch.float32 if lora_in_fp32(x.dtype, lora_A.dtype) else x.dtype
+    z = x.new_empty(x.shape[0], weight.shape[0], dtype=z_dtype) if act != 0 else x.new_empty(0)
+    return y, x.new_empty(x.shape[0], lora_A.shape[0], dtype=torch.float32), z
+
+
+@torch.library.custom_op("lorafuse::lora_linear_backward", mutates_args=())
+def _lora_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             lora_A: torch.Tensor, lora_B: torch.Tensor, s: torch.Tensor, seed: torch.Tensor | None,
+                             z: torch.Tensor, scale: float, dropout_p: float, act: int, gemm: str,
+                             needs: list[bool]) -> list[torch.Tensor]:
+    # -> [dx, dW, dbias, dA, dB], each contiguous in its input's dtype (as the fake says), [0] where not needed
+    route = _route(gemm or None, x, lora_A, decoding=False)
+    grads = _backward(dy, x, weight, lora_A, lora_B, s, seed, z if act != 0 else None, scale, dropout_p, act, route,
+                      needs)
+    inputs = (x, weight, bias, lora_A, lora_B)
+    return [x.new_empty(0) if g is None else g.contiguous() for g in _in_dtypes_of(grads, inputs)]
+
+
+@_lora_linear_backward_op.register_fake
+def _lora_linear_backward_fake(dy, x, weight, bias, lora_A, lora_B, s, seed, z, scale, dropout_p, act, gemm, needs):
+    inputs = (x, weight, bias, lora_A, lora_B)
+    return [torch.empty_like(t) if need else x.new_empty(0) for t, need in zip(inputs, needs)]
+
+
+def _lora_linear_setup_context(ctx, inputs, output):
+    x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, _ = inputs
+    ctx.save_for_backward(x, weight, bias, lora_A, lora_B, output[1], seed, output[2])
+    ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm = scale, dropout_p, act, gemm
+
+
+def _lora_linear_op_backward(ctx, dy, _ds, _dz):
+    x, weight, bias, lora_A, lora_B, s, seed, z = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:5])
+    grads = _lora_linear_backward_op(dy, x, weight, bias, lora_A, lora_B, s, seed, z, ctx.scale, ctx.dropout_p,
+                                     ctx.act, ctx.gemm, needs)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None)
+
+
+_lora_linear_op.register_autograd(_lora_linear_op_backward, setup_context=_lora_linear_setup_context)
 
 
 def _reference_of_apply(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
@@ -171,10 +245,25 @@ def _launch_bound(x):
     return x.is_cuda and x.shape[0] <= DECODE_MAX_ROWS and not torch.cuda.is_current_stream_capturing()
 
 
-@torch.compiler.disable  # compiled models call the kernels as they are (a graph break), never trace them
+def _inference(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
+    """The forward without an autograd node: y [M, N]."""
+    # x: [M, K] (unit column stride)
+    decoding = x.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
+    # the reference computes in the operands' dtypes: one dtype for bias and x, one for the adapters
+    launch_bound = (decoding and _launch_bound(x) and (bias is None or bias.dtype == x.dtype)
+                    and lora_A.dtype == lora_B.dtype)
+    route = _route(gemm, x, lora_A, decoding, launch_bound)
+    if route == "torch":
+        return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, 0.0, ACTIVATIONS[act])
+    if route == "decode":
+        return lora_decode(x, weight, bias, lora_A, lora_B, scale, act)
+    return _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, route, store_z=False)[0]
+
+
 def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activation="identity", seed=None, gemm=None):
     """Fused LoRA linear. `dropout_p` applies to the adapter path only (pass 0.0 in eval);
-    `seed` (int64 tensor [1] on x's device) fixes the mask, a fresh one is drawn when None."""
+    `seed` (int64 tensor [1] on x's device) fixes the mask, a fresh one is drawn when None.
+    Under torch.compile it is the custom op lorafuse::lora_linear (no graph break)."""
     # x: [..., K], weight: [N, K], bias: [N] or None, lora_A: [r, K], lora_B: [N, r]
     act = activation_id(activation)
     adapter_math()  # a bad LORAFUSE_ADAPTER_MATH raises whichever route the call takes
@@ -193,7 +282,7 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
         bias = bias.to(dtype) if bias is not None else None
     reason = _kernel_unsupported(x, weight, lora_A) or functorch_reason(x, weight, bias, lora_A, lora_B)
     if reason is not None:
-        log_once(f"lorafuse.lora_linear: {reason}")
+        log_once_traceable(f"lorafuse.lora_linear: {reason}")
         return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p, activation, seed)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -201,19 +290,12 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
         x2 = x2.contiguous()
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                for t in (x2, weight, bias, lora_A, lora_B))
-    decoding = not training and x2.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
-    # the reference computes in the operands' dtypes: one dtype for bias and x, one for the adapters
-    launch_bound = (decoding and _launch_bound(x2) and (bias is None or bias.dtype == x2.dtype)
-                    and lora_A.dtype == lora_B.dtype)
-    gemm = _route(gemm, x2, lora_A, decoding, launch_bound)
-    if gemm == "torch":
-        return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, 0.0, activation)
-    args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act, gemm)
+    args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act)
     with torch.autocast(x.device.type, enabled=False):
-        if training:
-            y = _LoraLinear.apply(*args)
-        elif gemm == "decode":
-            y = lora_decode(x2, weight, bias, lora_A, lora_B, float(scale), act)
+        if torch.compiler.is_compiling():
+            y = _lora_linear_op(*args, gemm or "", training)[0]
+        elif training:
+            y = _LoraLinear.apply(*args, _route(gemm, x2, lora_A, decoding=False))
         else:
-            y = _fused_forward(*args, store_z=False)[0]  # inference: no autograd node, less launch overhead
+            y = _inference(*args, gemm)
     return y.view(*shape[:-1], weight.shape[0])

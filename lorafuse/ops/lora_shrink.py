@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._bf16_pieces import bf16_pieces, dot_pieces, split_bf16, uses_bf16_pieces
+from ._bf16_pieces import dot_pieces, split_bf16, uses_bf16_pieces
 from ._tiles import (lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count, split_in_blocks,
                      store_partial, summed)
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
@@ -29,7 +29,7 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, count_ptr, out_ptr, M, K, rank, s
                 threshold, drop_scale, HAS_DROPOUT: tl.constexpr, LORA_FP32: tl.constexpr, ON_PIECES: tl.constexpr,
                 ATOMIC: tl.constexpr, SERIAL_SUM: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
-    # x: [M, K] (row stride stride_xm), A: [rank, K] contiguous ([3, rank, K] bf16 pieces when ON_PIECES),
+    # x: [M, K] (row stride stride_xm), A: [rank, K] contiguous (fp32, split into bf16 pieces when ON_PIECES),
     # s: partial_sums' buffer of [M, rank] fp32 over `splits` column splits of cols_per_split (a multiple of BLOCK_K)
     # LORA_FP32: the product runs in fp32 (float32 adapters), else in x's 16-bit dtype. SERIAL_SUM: the last program
     # of a row block to finish (count: int32 [row blocks], zeroed) adds the splits' parts in their order into out.
@@ -46,9 +46,7 @@ def _shrink_fwd(x_ptr, a_ptr, s_ptr, seed_ptr, count_ptr, out_ptr, M, K, rank, s
         a_offs = ranks[:, None] * K + cols[None, :]
         a_mask = (ranks[:, None] < rank) & (cols[None, :] < K)
         if ON_PIECES:
-            a_hi = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
-            a_mid = tl.load(a_ptr + rank * K + a_offs, mask=a_mask, other=0.0)
-            a_lo = tl.load(a_ptr + 2 * rank * K + a_offs, mask=a_mask, other=0.0)
+            a_hi, a_mid, a_lo = split_bf16(tl.load(a_ptr + a_offs, mask=a_mask, other=0.0))
             acc = dot_pieces(x, tl.trans(a_hi), tl.trans(a_mid), tl.trans(a_lo), acc)
         else:
             a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
@@ -73,7 +71,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
                 threshold, drop_scale, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr, LORA_FP32: tl.constexpr,
                 ON_PIECES: tl.constexpr, ATOMIC: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_K: tl.constexpr, ROUNDS: tl.constexpr, PRECISION: tl.constexpr):
-    # x: [M, K], ds: [M, rank] fp32, A: [rank, K] ([3, rank, K] bf16 pieces when ON_PIECES), dx: [M, K],
+    # x: [M, K], ds: [M, rank] fp32, A: [rank, K] contiguous (fp32, split into bf16 pieces when ON_PIECES), dx: [M, K],
     # da_part: partial_sums' buffer of [rank, K] fp32 over row splits
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     split = tl.program_id(1)
@@ -84,7 +82,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
         a_mask = (ranks[:, None] < rank) & col_ok[None, :]
         a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
         if ON_PIECES:
-            a_mid = tl.load(a_ptr + rank * K + a_offs, mask=a_mask, other=0.0)
+            a, a_mid, _ = split_bf16(a)
     # dA^T = x^T ds, so that the long side (K) is the MMA's M and the rank its N: as ds^T x (M = rank) the kernel ran
     # 16-25 % slower (H200, x of 8192 x 2048-14336, dropout and dx).
     acc = tl.zeros([BLOCK_K, R], tl.float32)
@@ -164,20 +162,16 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, out=None):
     # each row block's last program (SERIAL_SUM).
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
-    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True, zeroed=not on_pieces, out=out)
+    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True, out=out)
     serial = splits > 1 and not atomic
     counts = torch.empty(row_blocks if serial else 0, device=x.device, dtype=torch.int32)
     if serial and out is None:
         out = torch.empty(M, r, device=x.device, dtype=torch.float32)
-    if on_pieces:  # its launch zeroes what the atomics or the counts start from
-        a_arg = bf16_pieces(A, zero=[s] if atomic else [counts.view(torch.float32)] if serial else [])
-    else:
-        a_arg = A.contiguous()
-        if serial:
-            counts.zero_()
+    if serial:
+        counts.zero_()
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_fwd[(row_blocks, splits)](
-        x, a_arg, s, seed, counts, out if serial else s, M, K, r, x.stride(0), cols_per_split, splits, threshold,
+        x, A.contiguous(), s, seed, counts, out if serial else s, M, K, r, x.stride(0), cols_per_split, splits, threshold,
         drop_scale, HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, ATOMIC=atomic,
         SERIAL_SUM=serial, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
         PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)
@@ -192,7 +186,6 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     r = A.shape[0]
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
-    pieces_of_a = on_pieces and dx_out is not None  # dx's product takes A's pieces; dA's takes ds's
     # Swept on an H200 (NOTES_lora_layer.md, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
     # bf16 adapters): dA alone and dx with the mask want 32 x 128 / 16 x 256 blocks, dx without the mask on pieces
     # 64 x 128. Float32 adapters, dropout and dx: 46 / 82 / 141 / 236 us (the kernel before, as ds^T x and with the
@@ -211,11 +204,10 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     # At most `programs`: one more row split than fits in a wave left a second, nearly empty wave (x of
     # 8192 x 14336 with dropout and dx on an H200: 1120 programs 313 us, 1008 programs 234 us).
     rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), max(1, programs // k_blocks)))
-    da_part, atomic = partial_sums(splits, (r, K), x.device, zeroed=not pieces_of_a)
-    a_arg = bf16_pieces(A, zero=[da_part] if atomic else []) if pieces_of_a else A.contiguous()  # zeroes dA too
+    da_part, atomic = partial_sums(splits, (r, K), x.device)
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_bwd[(k_blocks, splits)](
-        x, ds, a_arg, dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,
+        x, ds, A.contiguous(), dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,
         HAS_DROPOUT=dropout_p > 0.0, STORE_DX=dx_out is not None, LORA_FP32=fp32, ON_PIECES=on_pieces,
         ATOMIC=atomic, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
         PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)

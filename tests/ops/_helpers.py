@@ -41,22 +41,6 @@ def poison(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.fill_(math.nan)
 
 
-def poison_unzeroed_sums(monkeypatch, module) -> list:
-    """Wraps module.partial_sums so that the buffers a launcher asks for unzeroed (partial_sums(..., zeroed=False):
-    it zeroes them in a launch of its own) come filled with NaN: an atomic buffer left unzeroed then shows. Returns a
-    list that gains (atomic, zeroed) for each call."""
-    calls = []
-    real = module.partial_sums
-
-    def poisoned(*args, **kwargs):
-        buffer, atomic = real(*args, **kwargs)
-        calls.append((atomic, kwargs.get("zeroed", True)))
-        return (buffer if kwargs.get("zeroed", True) else poison(buffer)), atomic
-
-    monkeypatch.setattr(module, "partial_sums", poisoned)
-    return calls
-
-
 def assert_close(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, plain: torch.Tensor | None = None,
                  name: str = "out") -> None:
     """DESIGN.md's rule for a computation whose inputs are in `dtype`.
