@@ -36,7 +36,7 @@ from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from .._logging import log_once
+from ..ops._traceable_log import log_once_traceable
 from ..ops.attention_windows import (AttentionWindows, allowed_keys, padding_mask_is_contiguous,
                                      windows_from_padding_mask, windows_from_position_ids, with_sliding_window)
 from ..ops.flash_attention import flash_attention
@@ -143,6 +143,9 @@ def _mask_parts(fn) -> set | None:
     return None
 
 
+# Dynamo cannot read the closures of mask functions made in the code it traces: it calls this while tracing instead,
+# on a copy of the function
+@torch.compiler.assume_constant_result
 def _is_standard(mask_function) -> bool:
     """Causal, possibly narrowed to a sliding window or split into packed sequences: the patterns the attention
     function rebuilds from the module's is_causal / sliding_window and the position ids."""
@@ -170,8 +173,8 @@ def lorafuse_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
                 return None
             if 0 < seen < kv_length:
                 return torch.ones(batch_size, seen, dtype=torch.bool, device=kwargs.get("device", "cpu"))
-    log_once("lorafuse attention: a mask pattern beyond causal/padding/sliding/packed (or a static cache without "
-             "attention_mask) is materialised as a dense mask", level=logging.INFO)
+    log_once_traceable("lorafuse attention: a mask pattern beyond causal/padding/sliding/packed (or a static cache "
+                       "without attention_mask) is materialised as a dense mask", level=logging.INFO)
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                                    kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
@@ -336,7 +339,7 @@ def _fallback(reason, plan: _Plan, module, query, key, value, dropout, scaling, 
         raise NotImplementedError(f"lorafuse attention: {reason} needs the model's eager attention, which "
                                   f"{type(module).__module__} does not define")
     use_eager = needs_eager and eager is not None
-    log_once(f"lorafuse attention: {'eager' if use_eager else 'sdpa'} attention runs because of {reason}")
+    log_once_traceable(f"lorafuse attention: {'eager' if use_eager else 'sdpa'} attention runs because of {reason}")
 
     has_key = None
     if plan.dense_mask is not None:
@@ -373,7 +376,7 @@ def lorafuse_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
                                softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """AttentionInterface function: query [B, Hq, Nq, D], key, value [B, Hkv, Nk, D] -> ([B, Nq, Hq, D], None)."""
     if kwargs.get("cache") is not None:  # continuous batching's paged cache: sdpa updates it
-        log_once("lorafuse attention: sdpa attention runs because of a paged cache (continuous batching)")
+        log_once_traceable("lorafuse attention: sdpa attention runs because of a paged cache (continuous batching)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))

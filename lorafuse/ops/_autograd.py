@@ -20,7 +20,14 @@ except ImportError:  # pragma: no cover
 def functorch_reason(*tensors) -> str | None:
     """Why these tensors (None allowed) cannot reach the kernels: they are inside torch.func.grad/vmap/jacrev. None
     otherwise."""
-    if any(t is not None and _is_wrapped(t) for t in tensors):
+    if torch.compiler.is_compiling():
+        # Dynamo cannot call the check. It traces a transform's body with functorch's interpreter stack not empty
+        # (tested with isinstance: Dynamo wraps an empty stack's None in an object that `is not None`); the custom
+        # ops have no torch.func rules, so there the references run as in eager mode
+        wrapped = isinstance(torch._C._functorch.peek_interpreter_stack(), torch._C._functorch.CInterpreter)
+    else:
+        wrapped = any(t is not None and _is_wrapped(t) for t in tensors)
+    if wrapped:
         return "inputs are inside a torch.func transform (grad, vmap, ...), which the kernels do not support"
     return None
 

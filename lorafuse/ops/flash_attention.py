@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
 from ._tiles import dot_precision, kernels_run_on
+from ._traceable_log import log_once_traceable
 from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
                                tile_ranges, window_bounds)
 from .attention_windows import AttentionWindows, UnpaddedWindows, allowed_keys
@@ -93,25 +94,25 @@ def _check_inputs(q, k, v, windows):
             raise ValueError(f"windows (key_lo, key_hi, query_lo, query_hi) must have shapes {want}, got {got}")
 
 
-@torch.compiler.disable
 def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
                     windows: AttentionWindows | None = None):
-    """Attention of q [B, Hq, Nq, D] over k, v [B, Hkv, Nk, D]; returns [B, Hq, Nq, D]."""
+    """Attention of q [B, Hq, Nq, D] over k, v [B, Hkv, Nk, D]; returns [B, Hq, Nq, D]. Under torch.compile, the
+    custom op lorafuse::flash_attention."""
     _check_inputs(q, k, v, windows)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     in_transform = functorch_reason(q, k, v)
     reason = in_transform or _unsupported_reason(q, k, v, windows)
     if reason is not None:
-        log_once(f"lorafuse flash_attention: using torch SDPA because {reason}")
+        log_once_traceable(f"lorafuse flash_attention: using torch SDPA because {reason}")
         return _sdpa_fallback(q, k, v, causal, scale, windows, math_backend=in_transform is not None)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if torch.compiler.is_compiling():
+        return _flash_attention_op(q, k, v, causal, scale, *_window_tensors(windows), store_lse=training)[0]
+    if training:
         return FlashAttention.apply(q, k, v, causal, scale, windows)
-    if fits_decode(q, k):
-        return flash_decode(q, k, v, causal, scale, windows, _use_tma(k, v))
-    v = _unseen_keys_zeroed(v, windows)
-    return _flash_forward(q, k, v, causal, scale, windows, store_lse=False)[0]
+    return _forward(q, k, v, causal, scale, windows, store_lse=False)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,7 +424,7 @@ def _flash_forward(q, k, v, causal, scale, windows, store_lse):
         n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
         CAUSAL=causal, WINDOWED=windows is not None, PER_ROW=windows is not None or not causal, STORE_LSE=store_lse,
         HEAD_DIM=d, D_TILE=d_tile, PRECISION=dot_precision(q.dtype), TMA=tma, **config)
-    return out, lse
+    return out, lse if store_lse else None
 
 
 def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
@@ -463,10 +464,32 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     return dq, dk, dv
 
 
+def _forward(q, k, v, causal, scale, windows, store_lse):
+    # -> out [B, Hq, Nq, D], lse [B, Hq, Nq] (None without store_lse: then a decode step takes the split-KV kernel)
+    if not store_lse and fits_decode(q, k):
+        return flash_decode(q, k, v, causal, scale, windows, _use_tma(k, v)), None
+    return _flash_forward(q, k, _unseen_keys_zeroed(v, windows), causal, scale, windows, store_lse)
+
+
+def _backward_inputs(q, k, v, dout, windows):
+    # q, k, v, dout as the backward kernels read them: the rows of padding zeroed (copies where there is padding)
+    v = _unseen_keys_zeroed(v, windows)
+    padding = _padding_rows(windows)
+    if padding is not None:
+        q, dout, k = _rows_zeroed(q, padding[0]), _rows_zeroed(dout, padding[0]), _rows_zeroed(k, padding[1])
+    return q, k, v, dout
+
+
+def _backward(q, k, v, out, lse, dout, causal, scale, windows):
+    # -> dq, dk, dv shaped and strided as _backward_inputs' q, k, v
+    q, k, v, dout = _backward_inputs(q, k, v, dout, windows)
+    return _flash_backward(q, k, v, out, lse, dout, causal, scale, windows)
+
+
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, windows):
-        out, lse = _flash_forward(q, k, _unseen_keys_zeroed(v, windows), causal, scale, windows, store_lse=True)
+        out, lse = _forward(q, k, v, causal, scale, windows, store_lse=True)
         # v as given, not the zeroed copy: double backward differentiates with respect to the inputs themselves
         ctx.save_for_backward(q, k, v, out, lse, *(windows or ()))
         ctx.causal, ctx.scale, ctx.windows_type = causal, scale, type(windows)
@@ -480,9 +503,80 @@ class FlashAttention(torch.autograd.Function):
             log_once("lorafuse flash_attention: double backward (create_graph=True) differentiates the plain "
                      "attention, whose memory grows with the square of the sequence length")
             return differentiable_backward(attention_reference, (q, k, v, ctx.causal, ctx.scale, windows), dout)
-        v = _unseen_keys_zeroed(v, windows)
-        padding = _padding_rows(windows)
-        if padding is not None:
-            q, dout, k = _rows_zeroed(q, padding[0]), _rows_zeroed(dout, padding[0]), _rows_zeroed(k, padding[1])
-        dq, dk, dv = _flash_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, windows)
-        return dq, dk, dv, None, None, None
+        return *_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, windows), None, None, None
+
+
+# The same launches as custom ops, which torch.compile traces through (the Function above costs less host time per
+# call in eager mode, so eager calls keep it). Double backward is not theirs to give: compiled graphs have none.
+# Custom ops take tensors and scalars: the windows go as their four tensors (None without windows) and whether
+# they are UnpaddedWindows.
+
+def _window_tensors(windows: AttentionWindows | None) -> tuple:
+    # -> key_lo, key_hi, query_lo, query_hi, unpadded: the custom ops' arguments for `windows`
+    if windows is None:
+        return None, None, None, None, False
+    return *windows, isinstance(windows, UnpaddedWindows)
+
+
+def _windows_of(key_lo, key_hi, query_lo, query_hi, unpadded) -> AttentionWindows | None:
+    # _window_tensors' inverse
+    if key_lo is None:
+        return None
+    return (UnpaddedWindows if unpadded else AttentionWindows)(key_lo, key_hi, query_lo, query_hi)
+
+
+@torch.library.custom_op("lorafuse::flash_attention", mutates_args=())
+def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                        key_lo: torch.Tensor | None, key_hi: torch.Tensor | None,
+                        query_lo: torch.Tensor | None, query_hi: torch.Tensor | None, unpadded: bool,
+                        store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (unit last stride) -> out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32 (with
+    # store_lse, which a backward needs; else empty: custom ops return no None)
+    windows = _windows_of(key_lo, key_hi, query_lo, query_hi, unpadded)
+    out, lse = _forward(q, k, v, causal, scale, windows, store_lse)
+    return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)
+
+
+@_flash_attention_op.register_fake
+def _flash_attention_fake(q, k, v, causal, scale, key_lo, key_hi, query_lo, query_hi, unpadded, store_lse):
+    b, n_heads, n_q, d = q.shape
+    out = q.new_empty(b, n_q, n_heads, d).transpose(1, 2)  # the kernels' layout: [B, Nq, Hq, D] memory
+    return out, q.new_empty((b, n_heads, n_q) if store_lse else (0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("lorafuse::flash_attention_backward", mutates_args=())
+def _flash_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                 lse: torch.Tensor, dout: torch.Tensor, causal: bool, scale: float,
+                                 key_lo: torch.Tensor | None, key_hi: torch.Tensor | None,
+                                 query_lo: torch.Tensor | None, query_hi: torch.Tensor | None,
+                                 unpadded: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # dout: [B, Hq, Nq, D] -> dq, dk, dv
+    windows = _windows_of(key_lo, key_hi, query_lo, query_hi, unpadded)
+    return _backward(q, k, v, out, lse, dout, causal, scale, windows)
+
+
+@_flash_attention_backward_op.register_fake
+def _flash_attention_backward_fake(q, k, v, out, lse, dout, causal, scale, key_lo, key_hi, query_lo, query_hi,
+                                   unpadded):
+    # the gradients take the layouts of the kernels' inputs, which zeroing padding rows may change
+    windows = _windows_of(key_lo, key_hi, query_lo, query_hi, unpadded)
+    q, k, v, _ = _backward_inputs(q, k, v, dout, windows)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_attention_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, key_lo, key_hi, query_lo, query_hi, unpadded, store_lse = inputs
+    ctx.save_for_backward(q, k, v, *output, key_lo, key_hi, query_lo, query_hi)
+    ctx.causal, ctx.scale, ctx.unpadded, ctx.store_lse = causal, scale, unpadded, store_lse
+
+
+def _flash_attention_op_backward(ctx, dout, _dlse):
+    if not ctx.store_lse:
+        raise RuntimeError("lorafuse::flash_attention ran with store_lse=False, which keeps nothing for a backward: "
+                           "pass store_lse=True when its inputs need gradients")
+    q, k, v, out, lse, *windows = ctx.saved_tensors
+    dq, dk, dv = _flash_attention_backward_op(q, k, v, out, lse, dout, ctx.causal, ctx.scale, *windows, ctx.unpadded)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_flash_attention_op.register_autograd(_flash_attention_op_backward, setup_context=_flash_attention_setup_context)

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
 from ._tiles import kernels_run_on, sm_count
+from ._traceable_log import log_once_traceable
 
 MAX_WIDTH = 16384  # one row at a time, held in registers
 BWD_PROGRAMS_PER_SM = 4  # backward programs loop over rows, each keeping its own dw partial sum
@@ -133,17 +133,61 @@ class _RMSNorm(torch.autograd.Function):
         return dx, dw, None
 
 
-@torch.compiler.disable  # compiled models call the kernels as they are (a graph break), never trace them
+# The same launches as custom ops, which torch.compile traces through (the Function above costs less host time per
+# call in eager mode, so eager calls keep it). Double backward is not theirs to give: compiled graphs have none.
+
+@torch.library.custom_op("lorafuse::rms_norm", mutates_args=())
+def _rms_norm_op(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # x2: [M, D] -> y [M, D], rstd [M] (for the backward; written also when none follows: one float a row)
+    return _forward(_rows(x2), weight.contiguous(), eps, store_rstd=True)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x2, weight, eps):
+    y = x2.new_empty(x2.shape, dtype=torch.promote_types(weight.dtype, x2.dtype))
+    return y, x2.new_empty(x2.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("lorafuse::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
+                          need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # x2, dy: [M, D], rstd: [M] -> dx [M, D], dw [D] (empty without need_dw: custom ops return no None)
+    dx, dw = _backward(_rows(x2), weight.contiguous(), rstd, _rows(dy), need_dw)
+    return dx, dw if need_dw else weight.new_empty(0)
+
+
+@_rms_norm_backward_op.register_fake
+def _rms_norm_backward_fake(x2, weight, rstd, dy, need_dw):
+    return x2.new_empty(x2.shape), weight.new_empty(weight.shape[0] if need_dw else 0)
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x2, weight = inputs[:2]
+    ctx.save_for_backward(x2, weight, output[1])
+
+
+def _rms_norm_op_backward(ctx, dy, _drstd):
+    need_dw = ctx.needs_input_grad[1]
+    dx, dw = _rms_norm_backward_op(*ctx.saved_tensors, dy, need_dw)
+    return dx, dw if need_dw else None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_op_backward, setup_context=_rms_norm_setup_context)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm_reference's result, differentiable in x and weight: one kernel forward, one backward. Inputs the
-    kernels do not take run the reference, the reason logged once."""
+    kernels do not take run the reference, the reason logged once. Under torch.compile, the custom op
+    lorafuse::rms_norm."""
     # x: [..., D], weight: [D] -> [..., D]
     reason = functorch_reason(x, weight) or _unsupported_reason(x, weight)
     if reason is not None:
-        log_once(f"lorafuse.rms_norm: {reason}")
+        log_once_traceable(f"lorafuse.rms_norm: {reason}")
         return rms_norm_reference(x, weight, eps)
     x2 = _rows(x)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.compiler.is_compiling():
+        y = _rms_norm_op(x2, weight, float(eps))[0]
+    elif torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         y = _RMSNorm.apply(x2, weight.contiguous(), float(eps))
     else:
         y = _forward(x2, weight.contiguous(), float(eps), store_rstd=False)[0]

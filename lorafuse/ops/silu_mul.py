@@ -10,9 +10,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
 from ._tiles import kernels_run_on
+from ._traceable_log import log_once_traceable
 
 BLOCK = 2048  # elements per program: memory-bound, 16-byte vectors on every thread of 8 warps
 
@@ -66,37 +66,80 @@ def _grid(n: int):
     return (triton.cdiv(n, BLOCK),)
 
 
+def _forward(gate, up):
+    # gate, up: [...] contiguous -> y [...] contiguous
+    y = torch.empty_like(gate)
+    _silu_mul_fwd[_grid(gate.numel())](gate, up, y, gate.numel(), BLOCK=BLOCK, num_warps=8)
+    return y
+
+
+def _backward(gate, up, dy):
+    # gate, up: [...] contiguous, dy: [...] -> dgate, dup [...] contiguous
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    _silu_mul_bwd[_grid(gate.numel())](gate, up, dy.contiguous(), dgate, dup, gate.numel(), BLOCK=BLOCK, num_warps=8)
+    return dgate, dup
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        y = torch.empty_like(gate)
-        _silu_mul_fwd[_grid(gate.numel())](gate, up, y, gate.numel(), BLOCK=BLOCK, num_warps=8)
         ctx.save_for_backward(gate, up)
-        return y
+        return _forward(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
             return differentiable_backward(silu_mul_reference, (gate, up), dy)
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        _silu_mul_bwd[_grid(gate.numel())](gate, up, dy.contiguous(), dgate, dup, gate.numel(), BLOCK=BLOCK,
-                                           num_warps=8)
-        return dgate, dup
+        return _backward(gate, up, dy)
 
 
-@torch.compiler.disable  # compiled models call the kernels as they are (a graph break), never trace them
+# The same launches as custom ops, which torch.compile traces through (the Function above costs less host time per
+# call in eager mode, so eager calls keep it). Double backward is not theirs to give: compiled graphs have none.
+
+@torch.library.custom_op("lorafuse::silu_mul", mutates_args=())
+def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _forward(gate.contiguous(), up.contiguous())
+
+
+@_silu_mul_op.register_fake
+def _silu_mul_fake(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("lorafuse::silu_mul_backward", mutates_args=())
+def _silu_mul_backward_op(gate: torch.Tensor, up: torch.Tensor,
+                          dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(gate.contiguous(), up.contiguous(), dy)
+
+
+@_silu_mul_backward_op.register_fake
+def _silu_mul_backward_fake(gate, up, dy):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _silu_mul_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _silu_mul_op_backward(ctx, dy):
+    return _silu_mul_backward_op(*ctx.saved_tensors, dy)
+
+
+_silu_mul_op.register_autograd(_silu_mul_op_backward, setup_context=_silu_mul_setup_context)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in one kernel, differentiable in both; inputs the kernels do not take run the reference, the
-    reason logged once."""
+    reason logged once. Under torch.compile, the custom op lorafuse::silu_mul."""
     # gate, up: [...] (same shape and dtype) -> [...]
     reason = functorch_reason(gate, up) or _unsupported_reason(gate, up)
     if reason is not None:
-        log_once(f"lorafuse.silu_mul: {reason}")
+        log_once_traceable(f"lorafuse.silu_mul: {reason}")
         return silu_mul_reference(gate, up)
     gate_c, up_c = gate.contiguous(), up.contiguous()
+    if torch.compiler.is_compiling():
+        return _silu_mul_op(gate_c, up_c)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SiluMul.apply(gate_c, up_c)
-    y = torch.empty_like(gate_c)
-    _silu_mul_fwd[_grid(gate_c.numel())](gate_c, up_c, y, gate_c.numel(), BLOCK=BLOCK, num_warps=8)
-    return y
+    return _forward(gate_c, up_c)
