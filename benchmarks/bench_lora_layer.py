@@ -8,7 +8,6 @@
     python benchmarks/bench_lora_layer.py --no-decode     # checks, then training sizes only
     python benchmarks/bench_lora_layer.py --profile       # also each training shape's kernels (base, lorafuse)
     python benchmarks/bench_lora_layer.py --no-check --sweep-decode  # lora_decode launch configs, nothing else
-    python benchmarks/bench_lora_layer.py --shrink-separately  # A/B: the forward's shrink kept out of the GEMM
 
 Providers: base (the frozen nn.Linear alone: the floor), peft, peft_compiled, lorafuse
 (`lorafuse.fuse` on the same PeftModel: defaults, PEFT's float32 adapters computed exactly),

@@ -79,20 +79,13 @@ def atomic_partial_sums(parts: int) -> bool:
     return parts > 1 and not torch.are_deterministic_algorithms_enabled()
 
 
-def partial_sums(parts: int, shape, device, fixed_order: bool = False,
-                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+def partial_sums(parts: int, shape, device, fixed_order: bool = False) -> tuple[torch.Tensor, bool]:
     """(buffer, atomic) for a kernel's `parts` float32 partial sums of an output of `shape`: with atomic
     (atomic_partial_sums) the output itself, zeroed, which they add into (store_partial); else [parts, *shape] for
     summed(). fixed_order: an output that must not vary from run to run (a forward's: the same prompt gives the same
-    logits): atomics only for two parts, as 0 + a + b is the same float in either order. out: the output's own memory
-    (float32, contiguous, of `shape`), taken as the buffer wherever it can be (atomics, or one part): no copy after."""
-    atomic = atomic_partial_sums(parts) and (parts <= 2 or not fixed_order)
-    if atomic:
-        if out is None:
-            return torch.zeros(*shape, device=device, dtype=torch.float32), True
-        return out.zero_(), True
-    if parts == 1 and out is not None:
-        return out[None], False
+    logits): atomics only for two parts, as 0 + a + b is the same float in either order."""
+    if atomic_partial_sums(parts) and (parts <= 2 or not fixed_order):
+        return torch.zeros(*shape, device=device, dtype=torch.float32), True
     return torch.empty(parts, *shape, device=device, dtype=torch.float32), False
 
 

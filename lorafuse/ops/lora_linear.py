@@ -9,12 +9,14 @@ The routes, all decided in `_route` from the call's shape, dtypes and mode (LORA
             into y and cuBLAS adds x W^T into it (addmm, beta=1). Backward: one pass over dy (ds, dB), one over x
             (dA and the dropout-masked dx term), then cuBLAS adds g W into dx. Few launches a layer, each cheap on
             the host: the eager training step is bound by the host's launches as much as by the GPU.
-  "triton"  up to 64 rows with 16-bit adapter math (or forced): one Triton GEMM with the shrink in its K-loop and the
-            rank-r term in its epilogue; backward's dx GEMM adds ds A in its epilogue.
+  "triton"  up to 64 rows with 16-bit adapter math: one Triton GEMM with the shrink in its K-loop and the rank-r term
+            in its epilogue (forced on more rows: the shrink kernel, then that GEMM); without dropout the backward's
+            dx GEMM adds ds A in its epilogue.
   "decode"  inference on at most 16 rows without dropout: lora_decode's split-K GEMV kernels.
   "torch"   the same rows called eagerly (outside a CUDA-graph capture): the reference's few PyTorch launches, since
             a Triton launch costs the host more than the GEMV costs the GPU.
 """
+import contextlib
 import os
 
 import torch
@@ -89,20 +91,19 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
 def _backward(dy, x, weight, lora_A, lora_B, s, seed, z, scale, dropout_p, act, gemm, needs):
     """(dx, dW, dbias, dA, dB) in fp32 or x's dtype, None where `needs` (x, weight, bias, lora_A, lora_B) says no."""
     # dy: [M, N], x: [M, K], weight: [N, K], lora_A: [r, K], lora_B: [N, r], s: [M, r] fp32, z: [M, N] or None
-    need_x, need_w, need_bias, _, _ = needs
+    need_x, need_w, need_bias, need_a, need_b = needs
     g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, scale, act, need_bias)
-    dx = None
+    dx = dA = None
     if need_x and gemm == "triton" and dropout_p == 0.0:  # ds A in the dx GEMM's epilogue
-        dA = lora_shrink_backward(ds, x, lora_A)
         dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0)
     elif need_x:  # the masked dx term written by the pass over x, cuBLAS's g W added into it
         dx = torch.empty_like(x)
         dA = lora_shrink_backward(ds, x, lora_A, dropout_p, seed, dx_out=dx)
         dx.addmm_(g, weight)
-    else:
+    if need_a and dA is None:
         dA = lora_shrink_backward(ds, x, lora_A, dropout_p, seed)
     dW = g.t() @ x if need_w else None
-    return dx, dW, dbias, dA, dB
+    return dx, dW, dbias, dA if need_a else None, dB if need_b else None
 
 
 class _LoraLinear(torch.autograd.Function):
@@ -154,7 +155,7 @@ def _lora_linear_fake(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, a
     y = x.new_empty(x.shape[0], weight.shape[0])
     if not training:
         return y, x.new_empty(0), x.new_empty(0)
-    z_dtype = torch.float32 if lora_in_fp32(x.dtype, lora_A.dtype) else x.dtype
+    z_dtype = torch.float32 if lora_in_fp32(x.dtype, lora_B.dtype) else x.dtype  # as the epilogues decide it
     z = x.new_empty(x.shape[0], weight.shape[0], dtype=z_dtype) if act != 0 else x.new_empty(0)
     return y, x.new_empty(x.shape[0], lora_A.shape[0], dtype=torch.float32), z
 
@@ -175,7 +176,7 @@ def _lora_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
 @_lora_linear_backward_op.register_fake
 def _lora_linear_backward_fake(dy, x, weight, bias, lora_A, lora_B, s, seed, z, scale, dropout_p, act, gemm, needs):
     inputs = (x, weight, bias, lora_A, lora_B)
-    return [torch.empty_like(t) if need else x.new_empty(0) for t, need in zip(inputs, needs)]
+    return [t.new_empty(t.shape) if need else x.new_empty(0) for t, need in zip(inputs, needs)]
 
 
 def _lora_linear_setup_context(ctx, inputs, output):
@@ -274,7 +275,8 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     _check_inputs(x, weight, bias, lora_A, lora_B, seed)
     if bias is not None:
         bias = bias.contiguous()  # the kernels read bias[n] at n
-    if torch.is_autocast_enabled(x.device.type):
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if autocast:
         # Autocast (accelerate's mixed precision) computes every linear layer in its dtype, the
         # adapters' too (PEFT's lora_A/lora_B under autocast); so do we. Casts are differentiable.
         dtype = torch.get_autocast_dtype(x.device.type)
@@ -291,7 +293,7 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                for t in (x2, weight, bias, lora_A, lora_B))
     args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act)
-    with torch.autocast(x.device.type, enabled=False):
+    with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
         if torch.compiler.is_compiling():
             y = _lora_linear_op(*args, gemm or "", training)[0]
         elif training:

@@ -14,19 +14,8 @@ import triton.language as tl
 
 from ._bf16_pieces import split_bf16, uses_bf16_pieces
 from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank
-from .activation import activate, activation_reference
+from .activation import activate
 from .dropout import PHILOX_ROUNDS, keep_tile
-
-
-def lora_matmul_reference(a, b, low, right, scale, bias=None, activation="identity", dtype=None):
-    """act(a @ b + scale * (low @ right) + bias), every operand in `dtype` (default: a's; float64 for the exact
-    result). What lora_matmul's kernels compute, without the fused shrink."""
-    # a: [M, K], b: [K, N], low: [M, r], right: [r, N], bias: [N] or None
-    dtype = dtype or a.dtype
-    z = a.to(dtype) @ b.to(dtype) + scale * (low.to(dtype) @ right.to(dtype))
-    if bias is not None:
-        z = z + bias.to(dtype)
-    return activation_reference(z, activation)
 
 
 @triton.jit

@@ -144,38 +144,31 @@ def _math(x_dtype, a_dtype):
     return "tf32x3" if lora_in_fp32(x_dtype, a_dtype) else "16-bit"
 
 
-def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, out=None):
+def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
     """s = dropout(x) @ A^T in fp32. x: [M, K] with unit column stride, A: [r, K].
-    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks).
-    out: [M, r] float32 contiguous to write s into (returned), such as rows of a larger s."""
+    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks)."""
     M, K = x.shape
     r = A.shape[0]
-    if out is not None and (out.shape != (M, r) or out.dtype != torch.float32 or not out.is_contiguous()):
-        raise ValueError(f"lora_shrink: out must be a contiguous float32 tensor of shape {(M, r)}, got "
-                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
     fp32 = lora_in_fp32(x.dtype, A.dtype)
     on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
     block_m, block_k, warps, stages, programs = config or _shrink_config(
         M, _math(x.dtype, A.dtype), dropout_p > 0.0, sm_count(x.device))
-    # Fewer row blocks than programs (decode, the head of the dropout forward's rows, the mask's two programs per SM)
-    # split K: partial sums, added with atomics (two parts: the same float in either order) or, in a fixed order, by
-    # each row block's last program (SERIAL_SUM).
+    # Fewer row blocks than programs (small batches, the mask's two programs per SM) split K: partial sums, added
+    # with atomics (two parts: the same float in either order) or, in a fixed order, by each row block's last program
+    # (SERIAL_SUM).
     row_blocks = triton.cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
-    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True, out=out)
+    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True)
     serial = splits > 1 and not atomic
-    counts = torch.empty(row_blocks if serial else 0, device=x.device, dtype=torch.int32)
-    if serial and out is None:
-        out = torch.empty(M, r, device=x.device, dtype=torch.float32)
-    if serial:
-        counts.zero_()
+    out = torch.empty(M, r, device=x.device, dtype=torch.float32) if serial else s
+    counts = torch.zeros(row_blocks, device=x.device, dtype=torch.int32) if serial else s  # s: an unread placeholder
     threshold, drop_scale = dropout_args(dropout_p)
     _shrink_fwd[(row_blocks, splits)](
-        x, A.contiguous(), s, seed, counts, out if serial else s, M, K, r, x.stride(0), cols_per_split, splits, threshold,
+        x, A.contiguous(), s, seed, counts, out, M, K, r, x.stride(0), cols_per_split, splits, threshold,
         drop_scale, HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, ATOMIC=atomic,
         SERIAL_SUM=serial, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
         PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)
-    return out if out is not None else summed(s, atomic)  # given, or made for SERIAL_SUM: s is there
+    return out if serial else summed(s, atomic)
 
 
 def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None):

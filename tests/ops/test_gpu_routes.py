@@ -55,10 +55,12 @@ def test_launch_bound_eagerly_and_kernels_under_capture(monkeypatch):
     assert torch.equal(captured, lora_decode(x, weight, bias, lora_A, lora_B, SCALE, 4))  # 4: silu
 
 
+@pytest.mark.parametrize("gemm", [None, "triton"], ids=["auto", "triton_forced"])
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32_adapters", "bf16_adapters"])
-def test_training_route_at_a_training_size(p, adapter_dtype):
-    # 2 x 1030 rows of K 1000 -> N 1500 (odd edges), r 12: the cuBLAS route, eager and replayed from a CUDA graph
+def test_training_route_at_a_training_size(p, adapter_dtype, gemm):
+    # 2 x 1030 rows of K 1000 -> N 1500 (odd edges), r 12: the cuBLAS route (or the Triton GEMM at its 128 x 256
+    # tiles, forced), eager and replayed from a CUDA graph
     m, k, n, r = 2060, 1000, 1500, 12
     x = torch.randn(2, m // 2, k, dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(n, k) / k**0.5).bfloat16()
@@ -69,7 +71,7 @@ def test_training_route_at_a_training_size(p, adapter_dtype):
     assert lora_linear_module._route(None, x.view(m, k), lora_A, False) == "cublas"
 
     def run():
-        y = lora_linear(x, weight, None, lora_A, lora_B, SCALE, p, seed=seed)
+        y = lora_linear(x, weight, None, lora_A, lora_B, SCALE, p, seed=seed, gemm=gemm)
         return [y, *torch.autograd.grad(y, (x, lora_A, lora_B), dy)]
 
     leaves = (x, weight, lora_A, lora_B)
