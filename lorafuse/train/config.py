@@ -38,6 +38,13 @@ class OnNonFinite(Enum):
     skip = "skip"  # drop the step's gradients and go on (a run of `max_skipped_steps` in a row still stops)
 
 
+class CudaGraphs(Enum):
+    auto = "auto"    # capture where it can: one CUDA process, every batch of one shape (data.packing or
+                     # data.pad_to_max_length); otherwise eager, the reason said once in the log
+    true = "true"    # capture; a config that cannot (no CUDA, batches of varying shape) fails at start-up
+    false = "false"  # eager steps
+
+
 class Attention(Enum):
     lorafuse = "lorafuse"
     sdpa = "sdpa"
@@ -69,6 +76,8 @@ class DataConfig:
     text_column: str = "text"
     max_length: int = 512              # tokens per sample (per row when packing); longer samples are truncated
     packing: bool = False              # several samples per row, attention kept inside each sample
+    pad_to_max_length: bool = False    # every batch padded to max_length, not to its longest row: one shape for
+                                       # all batches, which train.cuda_graphs=auto needs to capture the step
     train_on_prompt: bool = False      # False: loss on responses only (instruction, chat)
     max_samples: Optional[int] = None  # use only the first N training samples
     cache_dir: Optional[str] = None    # datasets' cache; None: <run_dir>/cache, so a run writes nowhere else
@@ -120,6 +129,8 @@ class TrainConfig:
     profile_steps: int = 0              # >0: record this many steps with torch.profiler (Chrome trace, top kernels)
     save_merged: bool = False           # also save the base model with the adapter merged in
     num_workers: int = 0                # DataLoader workers
+    cuda_graphs: Any = "auto"           # auto, true or false (CudaGraphs): the training step captured as one CUDA
+                                        # graph. Typed Any because Hydra reads true and false as booleans
 
 
 @dataclass
@@ -190,8 +201,19 @@ def validate(cfg: FinetuneConfig) -> None:
         raise ConfigError(f"model.dtype={cfg.model.dtype!r}: allowed values are {', '.join(allowed_dtypes)}")
     if cfg.lora.bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"lora.bias={cfg.lora.bias!r}: allowed values are none, all, lora_only")
+    cuda_graphs_setting(cfg.train.cuda_graphs)
     if not isinstance(cfg.train.resume, (bool, str)):
         raise ConfigError(f"train.resume={cfg.train.resume!r}: true, false, or the path of a checkpoint directory")
+
+
+def cuda_graphs_setting(value: Any) -> CudaGraphs:
+    """train.cuda_graphs as its enum, from the boolean or the string Hydra gives."""
+    if isinstance(value, CudaGraphs):
+        return value
+    text = str(value).lower() if isinstance(value, (bool, str)) else None
+    if text not in [setting.value for setting in CudaGraphs]:
+        raise ConfigError(f"train.cuda_graphs={value!r}: allowed values are auto, true, false")
+    return CudaGraphs(text)
 
 
 def _check_module_names(key: str, value: Any, also_allowed: str) -> None:

@@ -347,7 +347,8 @@ def _pack_batch(batch: dict[str, list], max_length: int) -> dict[str, list]:
 
 @dataclass
 class Collator:
-    """Pads a batch on the right to its longest row, rounded up to pad_to_multiple_of; int64 [B, T] tensors.
+    """Pads a batch on the right to its longest row (or to pad_to_length, where set: one shape for every batch),
+    rounded up to pad_to_multiple_of; int64 [B, T] tensors.
 
     Unpacked rows: input_ids, labels (-100 on padding), attention_mask (0 on padding). Packed rows (with
     position_ids): input_ids, labels, position_ids and no attention_mask; the padding continues with
@@ -355,9 +356,10 @@ class Collator:
     """
     pad_token_id: int
     pad_to_multiple_of: int = 8
+    pad_to_length: int | None = None  # data.max_length with data.pad_to_max_length (or a captured packed step)
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(item["input_ids"]) for item in items)
+        longest = max(self.pad_to_length or 0, *(len(item["input_ids"]) for item in items))
         width = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         packed = "position_ids" in items[0]
         batch = {"input_ids": [], "labels": [], "position_ids" if packed else "attention_mask": []}

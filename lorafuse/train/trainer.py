@@ -7,6 +7,10 @@ trains on its own shard of every global batch, only the main process writes logs
 
 The loss of an optimizer step is the mean over every label token of its global batch (all micro-steps, all
 processes), so one process with grad_accum=2 computes the same step as two processes with grad_accum=1.
+
+With train.cuda_graphs on (one CUDA process, batches of one shape), each step is one CUDA graph replay
+(captured_step.CapturedStep) and the host reads the steps' losses, gradient norms and non-finite flags only at log
+and save steps: train.on_nonfinite then acts on the steps since the last read, as the eager loop acts on each.
 """
 import gc
 import inspect
@@ -27,8 +31,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..hf import loading
 from .batches import ShardedBatches, eval_batches
+from .captured_step import ITEMS, CapturedStep
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, publishing, save_checkpoint
-from .config import ConfigError, FinetuneConfig, OnNonFinite, Precision, validate
+from .config import ConfigError, CudaGraphs, FinetuneConfig, OnNonFinite, Precision, cuda_graphs_setting, validate
 from .data import IGNORE, Collator, build_datasets, count_loss_tokens, count_sample_tokens
 from .metrics import METRICS_FILE, SUMMARY_FILE, MetricsLog, plot_loss_curve, read_metrics
 from .optim import build_optimizer, build_scheduler
@@ -51,6 +56,8 @@ class Finetune:
         # cpu=True without CUDA: several processes (torchrun, accelerate launch) then form a gloo group.
         self.accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
         self.run_dir = self._shared_run_dir(Path(run_dir))
+        self.cuda_graphs = use_cuda_graphs(cfg, torch.cuda.is_available(), self.accelerator.num_processes, precision,
+                                           self.accelerator.is_main_process)
         set_seed(cfg.train.seed)
         self.tokenizer, model = self._build_model(precision)
         self.train_set, self.eval_set = self._build_data()
@@ -130,7 +137,10 @@ class Finetune:
         # The main process tokenizes first and fills datasets' cache; the others then read it.
         with self.accelerator.main_process_first():
             train_set, eval_set = build_datasets(self.cfg.data, self.tokenizer, self.cfg.train.seed)
-        self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
+        # a captured step takes batches of one shape: packed rows too are padded to max_length then
+        fixed_length = self.cfg.data.pad_to_max_length or self.cuda_graphs
+        self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id,
+                                pad_to_length=self.cfg.data.max_length if fixed_length else None)
         if self.accelerator.is_main_process:
             logger.info("data %s: %d training rows, %s eval rows", self.cfg.data.path, len(train_set),
                         len(eval_set) if eval_set is not None else "no")
@@ -173,6 +183,10 @@ class Finetune:
         batches = self._train_batches(start)
         window = {"tokens_before": self.state["tokens"], "time": time.perf_counter()}
         consecutive_skips = 0
+        # built after _resume loaded the optimizer state, which make_capturable's learning-rate tensor must outlive
+        captured = CapturedStep(self.model, self.optimizer, self._captured_micro_batch_loss,
+                                self.cfg.optim.max_grad_norm) if self.cuda_graphs else None
+        unread = _UnreadSteps(cfg.log_every, acc.device) if captured else None
         if start == 0 and cfg.eval_every:
             self._log_eval(0, log)  # the loss before training: what the rest is measured against
             window["time"] = time.perf_counter()  # eval time stays out of tokens/s
@@ -181,24 +195,31 @@ class Finetune:
         with logging_redirect_tqdm(), tqdm(total=cfg.max_steps, initial=start, disable=None if acc.is_main_process
                                            else True, desc="train", unit="step", dynamic_ncols=True) as bar:
             for step in range(start + 1, cfg.max_steps + 1):
-                loss, grad_norm, tokens, finite = self._train_step([next(batches) for _ in range(cfg.grad_accum)])
-                consecutive_skips = 0 if finite else consecutive_skips + 1
-                if not finite:
-                    self._non_finite(step, loss, grad_norm, consecutive_skips)
+                micro_batches = [next(batches) for _ in range(cfg.grad_accum)]
+                if captured is None:
+                    loss, grad_norm, tokens, finite = self._train_step(micro_batches)
+                    consecutive_skips = self._count_step(step, loss, grad_norm, finite, consecutive_skips)
+                else:
+                    tokens = sum(count_sample_tokens(batch) for batch in micro_batches)
+                    items = sum(count_loss_tokens(batch["labels"]) for batch in micro_batches)  # one process: all
+                    unread.add(step, *captured(micro_batches, items))
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step used; the scheduler now moves to the next
                 self.scheduler.step()
-                self.state["log_window"][0] += loss if finite else 0.0
-                self.state["log_window"][1] += finite
                 self._unsummed_tokens += tokens
                 if profiler:
                     profiler.step()
                 bar.update(1)
-                if step % cfg.log_every == 0 or step == cfg.max_steps:
+                log_step = step % cfg.log_every == 0 or step == cfg.max_steps
+                save_step = cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0 and step != cfg.max_steps
+                if unread is not None and (log_step or save_step):  # a checkpoint holds the log window too
+                    for step_read, loss, grad_norm, finite in unread.read():
+                        consecutive_skips = self._count_step(step_read, loss, grad_norm, finite, consecutive_skips)
+                if log_step:
                     self._log_train(step, window, lr, grad_norm, bar, log)
                 paused = time.perf_counter()  # eval and save time stays out of tokens/s
                 if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
                     self._log_eval(step, log)
-                if cfg.save_every_n_steps and step % cfg.save_every_n_steps == 0 and step != cfg.max_steps:
+                if save_step:
                     self._save(step)
                 window["time"] += time.perf_counter() - paused
 
@@ -254,6 +275,21 @@ class Finetune:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, tokens, finite
+
+    def _count_step(self, step: int, loss: float, grad_norm: float, finite: bool, consecutive_skips: int) -> int:
+        """Adds a step's loss to the log window, or applies train.on_nonfinite to it; returns the non-finite steps in
+        a row up to it."""
+        consecutive_skips = 0 if finite else consecutive_skips + 1
+        if not finite:
+            self._non_finite(step, loss, grad_norm, consecutive_skips)
+        self.state["log_window"][0] += loss if finite else 0.0
+        self.state["log_window"][1] += finite
+        return consecutive_skips
+
+    def _captured_micro_batch_loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """CapturedStep's loss_fn: _micro_batch_loss, with the step's token count from the batch (model is
+        self.model)."""
+        return self._micro_batch_loss(batch, batch.pop(ITEMS))
 
     def _micro_batch_loss(self, batch: dict, items: torch.Tensor) -> torch.Tensor:
         """The micro-batch's token-loss sum divided by `items`, so that the micro-steps' gradients add up to those of
@@ -322,9 +358,11 @@ class Finetune:
         elapsed = time.perf_counter() - window["time"]
         loss_sum, steps = self.state["log_window"]
         loss = loss_sum / steps if steps else float("nan")
-        row = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
+        row = {"loss": loss, "lr": float(lr), "grad_norm": grad_norm,
                "tokens_per_s": (self.state["tokens"] - window["tokens_before"]) / elapsed,
                "tokens": self.state["tokens"]}
+        if self.accelerator.device.type == "cuda":  # the allocator's own count: no sync
+            row["peak_GiB"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
         self.state["log_window"] = [0.0, 0]
         window.update(tokens_before=self.state["tokens"], time=time.perf_counter())
         if log is None:
@@ -395,6 +433,68 @@ class Finetune:
             attn_implementation="sdpa", random_init=cfg.random_init, config_overrides=dict(cfg.config_overrides),
             trust_remote_code=cfg.trust_remote_code, seed=self.cfg.train.seed)
         loading.save_merged(base, adapter, out_dir, self.tokenizer)
+
+
+class _UnreadSteps:
+    """The captured steps' losses, gradient norms and non-finite flags, kept on the device until the host reads them
+    (at log and save steps, at most `capacity` steps apart): reading them every step would make the host wait for
+    the GPU every step."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.rows = torch.zeros(capacity, 3, dtype=torch.float64, device=device)  # loss, grad norm, non-finite
+        self.steps: list[int] = []
+
+    def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, nonfinite: torch.Tensor) -> None:
+        row = self.rows[len(self.steps)]
+        row[0], row[1], row[2] = loss, grad_norm, nonfinite  # copies on the device
+        self.steps.append(step)
+
+    def read(self) -> list[tuple[int, float, float, bool]]:
+        """(step, loss, grad norm, finite) of each step since the last read, in order; one host sync."""
+        rows = self.rows[:len(self.steps)].tolist()
+        read = [(step, loss, grad_norm, not nonfinite) for step, (loss, grad_norm, nonfinite) in zip(self.steps, rows)]
+        self.steps = []
+        return read
+
+
+def use_cuda_graphs(cfg: FinetuneConfig, cuda: bool, processes: int, precision: str,
+                    main_process: bool = True) -> bool:
+    """Whether train.cuda_graphs captures the training step. auto captures where it can and says once in the log why
+    not where it cannot; true fails at start-up where capture cannot work (ConfigError). Several processes (DDP, FSDP)
+    train eagerly with either, said in the log."""
+    setting = cuda_graphs_setting(cfg.train.cuda_graphs)
+    if setting is CudaGraphs.false:
+        return False
+    if processes > 1:
+        if main_process:
+            logger.info("train.cuda_graphs=%s: eager steps: %d processes (DDP/FSDP) are not captured", setting.value,
+                        processes)
+        return False
+    blocker = _capture_blocker(cfg, cuda, precision)
+    if blocker is None:
+        return True
+    why, fix = blocker
+    if setting is CudaGraphs.true:
+        raise ConfigError(f"train.cuda_graphs=true: {why}; {fix}, or use train.cuda_graphs=auto, which runs eager "
+                          "steps where capture cannot work")
+    if main_process:
+        logger.info("train.cuda_graphs=auto: eager steps: %s (%s to capture them)", why, fix)
+    return False
+
+
+def _capture_blocker(cfg: FinetuneConfig, cuda: bool, precision: str) -> tuple[str, str] | None:
+    """Why a captured step cannot work with `cfg` here, and what would make it work; None where it can."""
+    if not cuda:
+        return "no CUDA device", "run on a CUDA GPU"
+    if not (cfg.data.packing or cfg.data.pad_to_max_length):
+        return ("each batch is padded to its own longest row, so batch shapes vary",
+                "set data.pad_to_max_length=true or data.packing=true")
+    if precision == "fp16":
+        return "fp16's grad scaler reads its overflow check on the host every step", "use train.precision=bf16"
+    if cfg.train.activation_checkpointing:
+        return ("activation checkpointing saves and restores the RNG state on the host to recompute each layer",
+                "set train.activation_checkpointing=false")
+    return None
 
 
 def _logged_eval(run_dir: Path, step: int) -> dict:
