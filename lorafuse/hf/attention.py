@@ -22,7 +22,8 @@ Two functions are registered under "lorafuse" (`register`, called when `lorafuse
   it whole as the forward keyword `lorafuse_windows` (captured decoding does: see lorafuse.hf.decoding).
 
 Per-forward work on a tensor that every layer receives (the mask, the position ids) - checks that read values
-on the host, building windows - is memoised on that tensor, so it runs once per forward, not once per layer.
+on the host, building windows and narrowing them to a sliding window - is memoised on that tensor, so it runs once
+per forward, not once per layer.
 During CUDA graph capture, compilation or tracing nothing is read on the host: checks are skipped where the
 result stays correct without them (windows are built for every case), and dense masks fall back to sdpa.
 """
@@ -56,7 +57,7 @@ def _no_host_sync() -> bool:
     """Whether reading a tensor's values on the host is forbidden now (graph capture, compile, tracing)."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()  # capture initialises CUDA
 
 
 class _Memo:
@@ -258,32 +259,41 @@ class _Plan:
         self.keep, self.dense_mask = keep, dense_mask
 
 
+def _sliding_windows(windows: AttentionWindows | None, window: int, b: int, n_q: int, n_k: int, device):
+    """`windows` (None: every key) narrowed to causal sliding windows of `window` keys."""
+    if windows is None:
+        windows = windows_from_padding_mask(torch.ones(b, n_k, dtype=torch.bool, device=device), n_q)
+    return with_sliding_window(windows, window, n_q, n_k)
+
+
 def _plan(query, key, attention_mask, causal: bool, sliding_window, kwargs) -> _Plan:
     b, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    source = None  # (tensor, key) the windows are memoised on: so are their sliding-window narrowings
     if attention_mask is None:
         plan = _Plan(n_k, causal)
         cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
         position_ids = kwargs.get("position_ids")
         if n_q == n_k and n_q > 1:
             if isinstance(cu_q, torch.Tensor) and b == 1:
-                plan.windows = _memo.get(cu_q, ("cu", n_q),
-                                         lambda: _cu_seqlens_windows(cu_q, cu_k, n_q, query.device))
+                source = (cu_q, ("cu", n_q))
+                plan.windows = _memo.get(*source, lambda: _cu_seqlens_windows(cu_q, cu_k, n_q, query.device))
             if (plan.windows is None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
                     and position_ids.shape[1] == n_q and position_ids.shape[0] in (1, b)):
-                plan.windows = _memo.get(position_ids, ("packed", b), lambda: _packed_windows(position_ids, b))
+                source = (position_ids, ("packed", b))
+                plan.windows = _memo.get(*source, lambda: _packed_windows(position_ids, b))
     elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() not in (2, 4):
         return _Plan(n_k, False, reason=f"an attention mask of type {type(attention_mask).__name__} (not None, "
                      "2-D or 4-D)", dense_mask=attention_mask)
     elif attention_mask.dim() == 2:
         n_k = min(n_k, attention_mask.shape[1])  # a static cache: only the first slots hold tokens
-        keep = attention_mask[:, attention_mask.shape[1] - n_k:]
+        keep = attention_mask[:, attention_mask.shape[1] - n_k:] if n_k < attention_mask.shape[1] else attention_mask
         plan = _Plan(n_k, causal, keep=keep)
         if n_q > n_k or (not causal and n_q != n_k):
             plan.reason = ("a padding mask with more queries than keys" if causal else
                            "a padding mask on non-causal attention with query and key lengths that differ")
         else:
-            plan.windows, plan.reason = _memo.get(attention_mask, ("padding", n_q, n_k),
-                                                  lambda: _padding_windows(keep, n_q))
+            source = (attention_mask, ("padding", n_q, n_k))
+            plan.windows, plan.reason = _memo.get(*source, lambda: _padding_windows(keep, n_q))
     else:
         # The whole relation is in the mask (causality and sliding window included), as sdpa reads it.
         plan = _Plan(n_k, False, dense_mask=attention_mask)
@@ -297,11 +307,10 @@ def _plan(query, key, attention_mask, causal: bool, sliding_window, kwargs) -> _
         if not causal:
             plan.reason = "a sliding window without causal masking"
         else:
-            windows = plan.windows
-            if windows is None:
-                windows = windows_from_padding_mask(torch.ones(b, plan.n_k, dtype=torch.bool, device=query.device),
-                                                    n_q)
-            plan.windows = with_sliding_window(windows, sliding_window, n_q, plan.n_k)
+            def narrowed():
+                return _sliding_windows(plan.windows, sliding_window, b, n_q, plan.n_k, query.device)
+            plan.windows = (narrowed() if plan.windows is None else
+                            _memo.get(source[0], source[1] + ("sliding", sliding_window), narrowed))
     return plan
 
 
@@ -397,8 +406,8 @@ def lorafuse_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
                          kwargs)
     if plan.n_k != key.shape[2]:
         key, value = key[:, :, :plan.n_k], value[:, :, :plan.n_k]
-    out = flash_attention(query, key, value, causal=plan.causal, scale=scaling, windows=plan.windows)
-    return out.transpose(1, 2).contiguous(), None
+    out = flash_attention(query, key, value, causal=plan.causal, scale=scaling, windows=plan.windows, transposed=True)
+    return out.contiguous(), None  # contiguous from the kernels: a copy only after flash_attention's SDPA fallback
 
 
 def register() -> None:

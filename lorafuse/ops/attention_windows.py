@@ -87,24 +87,23 @@ def windows_from_position_ids(position_ids: torch.Tensor, mask: torch.Tensor | N
     """Windows of packed rows: a sequence starts wherever the position id does not continue the
     previous one (position_ids [B, N]; queries and keys are the same N tokens). Tokens attend
     only within their own sequence. `mask` [B, N], if given, also drops padding tokens."""
-    # position_ids: [B, N]
-    b, n = position_ids.shape
-    idx = torch.arange(n, device=position_ids.device).expand(b, n)
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    # position_ids: [B, N]; computed in int32, the windows' dtype, in few ops (this runs once per forward)
+    n = position_ids.shape[-1]
+    idx = torch.arange(n, device=position_ids.device, dtype=torch.int32)
+    starts = position_ids != position_ids.roll(1, -1) + 1
+    starts[:, :1] = True
     if mask is not None:
         real = mask.bool()
-        starts[:, 1:] |= real[:, 1:] != real[:, :-1]  # padding never shares a sequence with tokens
+        starts |= real != real.roll(1, -1)  # padding never shares a sequence with tokens
     lo = torch.where(starts, idx, 0).cummax(-1).values                          # own sequence's start
-    # own sequence's end: the next start to the right (or n), by a reversed running minimum
-    next_start = torch.where(starts, idx, n)
-    next_start = torch.cat([next_start[:, 1:], torch.full_like(next_start[:, :1], n)], -1)
-    hi = next_start.flip(-1).cummin(-1).values.flip(-1)
-    if mask is not None:
-        hi = torch.where(real, hi, 0)  # padding sees nothing; its sequences hold no real token
+    # own sequence's end: the next start to the right, or n (rolled left, the first column's start marks the last
+    # token as an end), by a reversed running minimum
+    hi = torch.where(starts.roll(-1, -1), idx + 1, n).flip(-1).cummin(-1).values.flip(-1)
+    if mask is None:  # every token attends at least to itself, and is attended by itself: no window is empty
+        return UnpaddedWindows(lo, hi, lo, hi)
+    hi = torch.where(real, hi, 0)  # padding sees nothing; its sequences hold no real token
     key_lo, key_hi = _empty_to_canonical(lo, hi, n)
-    # without a mask every token attends at least to itself, and is attended by itself
-    return (AttentionWindows if mask is not None else UnpaddedWindows)(key_lo, key_hi, key_lo, key_hi)
+    return AttentionWindows(key_lo, key_hi, key_lo, key_hi)
 
 
 def with_sliding_window(windows: AttentionWindows, window: int, n_q: int, n_k: int) -> AttentionWindows:

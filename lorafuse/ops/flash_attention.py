@@ -16,6 +16,7 @@ Everything the kernels do not cover runs through torch's scaled_dot_product_atte
 the reason logged once.
 """
 import contextlib
+import functools
 import math
 
 import torch
@@ -77,42 +78,48 @@ def _unsupported_reason(q, k, v, windows):
 
 
 def _check_inputs(q, k, v, windows):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [B, H, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
+        raise ValueError(f"q, k, v must be [B, H, N, D]; got {tuple(q_shape)}, {tuple(k_shape)}, {tuple(v_shape)}")
+    if k_shape != v_shape or q_shape[0] != k_shape[0] or q_shape[3] != k_shape[3]:
+        raise ValueError(f"q {tuple(q_shape)}, k {tuple(k_shape)}, v {tuple(v_shape)}: k and v must match, "
                          "and share batch and head dim with q")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if q_shape[1] % k_shape[1]:
+        raise ValueError(f"{q_shape[1]} query heads are not a multiple of {k_shape[1]} key/value heads")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if windows is not None:
-        b, n_q, n_k = q.shape[0], q.shape[2], k.shape[2]
-        want = [(b, n_q), (b, n_q), (b, n_k), (b, n_k)]
-        got = [tuple(w.shape) for w in windows]
-        if got != want:
-            raise ValueError(f"windows (key_lo, key_hi, query_lo, query_hi) must have shapes {want}, got {got}")
+        queries, keys = (q_shape[0], q_shape[2]), (q_shape[0], k_shape[2])
+        key_lo, key_hi, query_lo, query_hi = windows
+        if not (key_lo.shape == key_hi.shape == queries and query_lo.shape == query_hi.shape == keys):
+            raise ValueError(f"windows (key_lo, key_hi, query_lo, query_hi) must have shapes "
+                             f"{[queries, queries, keys, keys]}, got {[tuple(w.shape) for w in windows]}")
 
 
 def flash_attention(q, k, v, causal: bool = False, scale: float | None = None,
-                    windows: AttentionWindows | None = None):
-    """Attention of q [B, Hq, Nq, D] over k, v [B, Hkv, Nk, D]; returns [B, Hq, Nq, D]. Under torch.compile, the
-    custom op lorafuse::flash_attention."""
+                    windows: AttentionWindows | None = None, transposed: bool = False):
+    """Attention of q [B, Hq, Nq, D] over k, v [B, Hkv, Nk, D]; returns [B, Hq, Nq, D], or with transposed=True its
+    transpose [B, Nq, Hq, D] (as transformers' attention functions return it; contiguous where the kernels wrote it,
+    and no transpose in the autograd graph). Under torch.compile, the custom op lorafuse::flash_attention."""
     _check_inputs(q, k, v, windows)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     in_transform = functorch_reason(q, k, v)
     reason = in_transform or _unsupported_reason(q, k, v, windows)
     if reason is not None:
         log_once_traceable(f"lorafuse flash_attention: using torch SDPA because {reason}")
-        return _sdpa_fallback(q, k, v, causal, scale, windows, math_backend=in_transform is not None)
+        out = _sdpa_fallback(q, k, v, causal, scale, windows, math_backend=in_transform is not None)
+        return out.transpose(1, 2) if transposed else out
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    windows = _int32_windows(windows, q.device)
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if torch.compiler.is_compiling():
-        return _flash_attention_op(q, k, v, causal, scale, *_window_tensors(windows), store_lse=training)[0]
-    if training:
-        return FlashAttention.apply(q, k, v, causal, scale, windows)
-    return _forward(q, k, v, causal, scale, windows, store_lse=False)[0]
+        out = _flash_attention_op(q, k, v, causal, scale, *_window_tensors(windows), store_lse=training)[0]
+    elif training:
+        return FlashAttention.apply(q, k, v, causal, scale, windows, transposed)
+    else:
+        out = _forward(q, k, v, causal, scale, windows, store_lse=False)[0]
+    return out.transpose(1, 2) if transposed else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,31 +347,63 @@ DECODE_BLOCK_M = 16  # tl.dot's smallest tile: a decode step's 1..16 query rows 
 USE_TMA = True
 
 
-def _tiles(kernel: str, d_tile: int, q: torch.Tensor, causal: bool) -> dict:
-    if q.device.type != "cuda":
-        return dict(INTERPRETER_TILES)
-    if q.dtype == torch.float32:
-        return dict(FP32_TILES)
-    config = dict(TILE_CONFIGS[(kernel, 64 if d_tile <= 64 else 128, causal)])
-    if kernel == "fwd" and q.shape[2] <= DECODE_BLOCK_M:
-        config["BLOCK_M"] = DECODE_BLOCK_M
-    return config
+def _cdiv(n: int, block: int) -> int:
+    # triton.cdiv without the wrapper of a constexpr function, which costs microseconds of host time per call
+    return -(-n // block)
+
+
+@functools.cache
+def _launch_constants(kernel: str, head_dim: int, dtype: torch.dtype, on_cuda: bool, causal: bool,
+                      few_rows: bool = False) -> dict:
+    """A kernel's constexpr arguments and launch options, all but the per-call flags (WINDOWED, TMA; the forward's
+    PER_ROW and STORE_LSE): decided once per kernel, head dim, dtype, device kind and causal. few_rows: the forward's
+    queries fit one decode tile. Every such call shares the dict: never modify it."""
+    d_tile = triton.next_power_of_2(head_dim)
+    if not on_cuda:
+        tiles = dict(INTERPRETER_TILES)
+    elif dtype == torch.float32:
+        tiles = dict(FP32_TILES)
+    else:
+        tiles = dict(TILE_CONFIGS[(kernel, 64 if d_tile <= 64 else 128, causal)])
+        if kernel == "fwd" and few_rows:
+            tiles["BLOCK_M"] = DECODE_BLOCK_M
+    return dict(CAUSAL=causal, HEAD_DIM=head_dim, D_TILE=d_tile, PRECISION=dot_precision(dtype), **tiles)
+
+
+@functools.cache
+def _tma_device(device: torch.device) -> bool:
+    # Hopper or later; off CUDA the interpreter emulates TMA
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _use_tma(*tensors) -> bool:
     """Hopper's TMA loads tiles when every stride and base is 16-byte aligned (off CUDA the
     interpreter emulates it). Set USE_TMA = False to compare with plain pointer loads."""
-    if not USE_TMA or tensors[0].dtype == torch.float32:
+    first = tensors[0]
+    if not USE_TMA or first.dtype == torch.float32 or not _tma_device(first.device):
         return False
-    if tensors[0].device.type == "cuda" and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
-        return False
-    size = tensors[0].element_size()
-    return all(t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+    size = first.element_size()
+    for t in tensors:
+        # every stride is 16-byte aligned exactly when their greatest common divisor is
+        if t.data_ptr() % 16 or math.gcd(*t.stride()[:-1]) * size % 16:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _descriptor_layout(shape: torch.Size, strides: tuple, dtype: torch.dtype, box: tuple) -> dict:
+    # A TensorDescriptor's fields but its base, which its constructor checks (aligned strides, a legal box): once per
+    # layout here, on an empty stand-in for the tensor. _use_tma checks every call's base address.
+    checked = TensorDescriptor(torch.empty(0, dtype=dtype), list(shape), list(strides), list(box))
+    return {name: value for name, value in vars(checked).items() if name != "base"}
 
 
 def _descriptor(t, rows, d_tile):
-    # t: [B, H, N, D] with unit last stride; one load is a [1, 1, rows, d_tile] box
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d_tile])
+    # t: [B, H, N, D] with unit last stride; one load is a [1, 1, rows, d_tile] box. A descriptor binds its tensor
+    # (Triton encodes the TMA map from its address at each launch): only the checked layout is shared between calls.
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.__dict__.update(_descriptor_layout(t.shape, t.stride(), t.dtype, (1, 1, rows, d_tile)), base=t)
+    return descriptor
 
 
 # Padding: queries that see no key and keys no query sees. Their rows of q, k, v and dO may hold NaN, which a zero
@@ -391,39 +430,43 @@ def _unseen_keys_zeroed(v, windows):
     return v if padding is None else _rows_zeroed(v, padding[1])
 
 
+def _int32_windows(windows, device):
+    # the windows as the kernels read them: int32, contiguous, on q's device (attention_windows builds them so)
+    if windows is None or all(w.dtype == torch.int32 and w.device == device and w.is_contiguous() for w in windows):
+        return windows
+    return type(windows)(*(w.to(device=device, dtype=torch.int32).contiguous() for w in windows))
+
+
 def _window_args(windows, q):
-    # the kernels read windows only when WINDOWED; any pointer stands in otherwise
-    if windows is None:
-        return (q, q, q, q)
-    return tuple(w.to(device=q.device, dtype=torch.int32).contiguous() for w in windows)
+    # the kernels read the windows only when WINDOWED; any pointer stands in otherwise
+    return (q, q, q, q) if windows is None else windows
 
 
 def _flash_forward(q, k, v, causal, scale, windows, store_lse):
     # q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] -> out (a [B, Hq, Nq, D] view of [B, Nq, Hq, D]), lse [B, Hq, Nq]
     b, n_heads, n_q, d = q.shape
     n_k = k.shape[2]
-    d_tile = triton.next_power_of_2(d)
     # [B, Nq, Hq, D] memory is what Hugging Face's attention layers reshape to [B, Nq, Hq * D]
-    out = torch.empty(b, n_q, n_heads, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    out = torch.empty_strided((b, n_heads, n_q, d), (n_q * n_heads * d, d, n_heads * d, 1), device=q.device,
+                              dtype=q.dtype)
     lse = torch.empty(b, n_heads, n_q, device=q.device, dtype=torch.float32) if store_lse else q
     key_lo, key_hi, _, _ = _window_args(windows, q)
-    config = _tiles("fwd", d_tile, q, causal)
-    grid = (triton.cdiv(n_q, config["BLOCK_M"]), b * n_heads)
+    constants = _launch_constants("fwd", d, q.dtype, q.is_cuda, causal, n_q <= DECODE_BLOCK_M)
+    d_tile = constants["D_TILE"]
+    grid = (_cdiv(n_q, constants["BLOCK_M"]), b * n_heads)
     tma = _use_tma(q, k, v)
     if tma:
-        q_in, k_in, v_in = (_descriptor(q, config["BLOCK_M"], d_tile), _descriptor(k, config["BLOCK_N"], d_tile),
-                            _descriptor(v, config["BLOCK_N"], d_tile))
+        q_in, k_in, v_in = (_descriptor(q, constants["BLOCK_M"], d_tile), _descriptor(k, constants["BLOCK_N"], d_tile),
+                            _descriptor(v, constants["BLOCK_N"], d_tile))
     else:
         q_in, k_in, v_in = q, k, v
     # Without windows the masked tiles may test keys instead of rows (allowed_tile's PER_ROW): the causal forward
     # runs 0.8 % faster so (H100), the non-causal one 4 % slower (H200)
     _attn_fwd_kernel[grid](
-        q_in, k_in, v_in, out, lse, key_lo, key_hi,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
-        CAUSAL=causal, WINDOWED=windows is not None, PER_ROW=windows is not None or not causal, STORE_LSE=store_lse,
-        HEAD_DIM=d, D_TILE=d_tile, PRECISION=dot_precision(q.dtype), TMA=tma, **config)
+        q_in, k_in, v_in, out, lse, key_lo, key_hi, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3], n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,
+        WINDOWED=windows is not None, PER_ROW=windows is not None or not causal, STORE_LSE=store_lse, TMA=tma,
+        **constants)
     return out, lse if store_lse else None
 
 
@@ -431,36 +474,33 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     # dout: [B, Hq, Nq, D] -> dq, dk, dv shaped and strided as q, k, v
     b, n_heads, n_q, d = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
-    d_tile = triton.next_power_of_2(d)
     group = n_heads // n_kv_heads
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    windowed = windows is not None
     key_lo, key_hi, query_lo, query_hi = _window_args(windows, q)
 
     delta = torch.empty(b, n_heads, n_q, device=q.device, dtype=torch.float32)  # the dQ kernel fills it
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    q_strides, k_strides, v_strides, do_strides = q.stride()[:3], k.stride()[:3], v.stride()[:3], dout.stride()[:3]
     tma = _use_tma(q, k, v, dout)
-    flags = dict(CAUSAL=causal, WINDOWED=windowed, HEAD_DIM=d, D_TILE=d_tile, PRECISION=dot_precision(q.dtype),
-                 TMA=tma)
-    config = _tiles("dq", d_tile, q, causal)
+    flags = dict(WINDOWED=windows is not None, TMA=tma)
+    constants = _launch_constants("dq", d, q.dtype, q.is_cuda, causal)
+    d_tile = constants["D_TILE"]
     k_in, v_in = k, v
     if tma:
-        k_in, v_in = _descriptor(k, config["BLOCK_N"], d_tile), _descriptor(v, config["BLOCK_N"], d_tile)
-    _attn_bwd_dq_kernel[(triton.cdiv(n_q, config["BLOCK_M"]), b * n_heads)](
-        q, k_in, v_in, out, dout, lse, delta, dq, key_lo, key_hi, *strides[:9], out.stride(0), out.stride(1),
-        out.stride(2), *strides[9:], dq.stride(0), dq.stride(1), dq.stride(2),
-        n_q, n_k, n_heads, group, scale, scale * LOG2_E, **flags, **config)
-    config = _tiles("dkdv", d_tile, q, causal)
+        k_in, v_in = _descriptor(k, constants["BLOCK_N"], d_tile), _descriptor(v, constants["BLOCK_N"], d_tile)
+    _attn_bwd_dq_kernel[(_cdiv(n_q, constants["BLOCK_M"]), b * n_heads)](
+        q, k_in, v_in, out, dout, lse, delta, dq, key_lo, key_hi, *q_strides, *k_strides, *v_strides,
+        *out.stride()[:3], *do_strides, *dq.stride()[:3],
+        n_q, n_k, n_heads, group, scale, scale * LOG2_E, **flags, **constants)
+    constants = _launch_constants("dkdv", d, q.dtype, q.is_cuda, causal)
     q_in, do_in = q, dout
     if tma:
-        q_in, do_in = _descriptor(q, config["BLOCK_M"], d_tile), _descriptor(dout, config["BLOCK_M"], d_tile)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(n_k, config["BLOCK_N"]), b * n_kv_heads)](
-        q_in, k, v, do_in, lse, delta, dk, dv, key_lo, key_hi, query_lo, query_hi, *strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        n_q, n_k, n_kv_heads, group, scale, scale * LOG2_E, **flags, **config)
+        q_in, do_in = _descriptor(q, constants["BLOCK_M"], d_tile), _descriptor(dout, constants["BLOCK_M"], d_tile)
+    _attn_bwd_dkdv_kernel[(_cdiv(n_k, constants["BLOCK_N"]), b * n_kv_heads)](
+        q_in, k, v, do_in, lse, delta, dk, dv, key_lo, key_hi, query_lo, query_hi, *q_strides, *k_strides, *v_strides,
+        *do_strides, *dk.stride()[:3], *dv.stride()[:3],
+        n_q, n_k, n_kv_heads, group, scale, scale * LOG2_E, **flags, **constants)
     return dq, dk, dv
 
 
@@ -473,11 +513,11 @@ def _forward(q, k, v, causal, scale, windows, store_lse):
 
 def _backward_inputs(q, k, v, dout, windows):
     # q, k, v, dout as the backward kernels read them: the rows of padding zeroed (copies where there is padding)
-    v = _unseen_keys_zeroed(v, windows)
     padding = _padding_rows(windows)
-    if padding is not None:
-        q, dout, k = _rows_zeroed(q, padding[0]), _rows_zeroed(dout, padding[0]), _rows_zeroed(k, padding[1])
-    return q, k, v, dout
+    if padding is None:
+        return q, k, v, dout
+    queries, keys = padding
+    return _rows_zeroed(q, queries), _rows_zeroed(k, keys), _rows_zeroed(v, keys), _rows_zeroed(dout, queries)
 
 
 def _backward(q, k, v, out, lse, dout, causal, scale, windows):
@@ -488,22 +528,24 @@ def _backward(q, k, v, out, lse, dout, causal, scale, windows):
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, windows):
+    def forward(ctx, q, k, v, causal, scale, windows, transposed):
         out, lse = _forward(q, k, v, causal, scale, windows, store_lse=True)
         # v as given, not the zeroed copy: double backward differentiates with respect to the inputs themselves
         ctx.save_for_backward(q, k, v, out, lse, *(windows or ()))
-        ctx.causal, ctx.scale, ctx.windows_type = causal, scale, type(windows)
-        return out
+        ctx.causal, ctx.scale, ctx.windows_type, ctx.transposed = causal, scale, type(windows), transposed
+        return out.transpose(1, 2) if transposed else out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *windows = ctx.saved_tensors
         windows = ctx.windows_type(*windows) if windows else None
+        if ctx.transposed:
+            dout = dout.transpose(1, 2)
         if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
             log_once("lorafuse flash_attention: double backward (create_graph=True) differentiates the plain "
                      "attention, whose memory grows with the square of the sequence length")
-            return differentiable_backward(attention_reference, (q, k, v, ctx.causal, ctx.scale, windows), dout)
-        return *_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, windows), None, None, None
+            return *differentiable_backward(attention_reference, (q, k, v, ctx.causal, ctx.scale, windows), dout), None
+        return *_backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, windows), None, None, None, None
 
 
 # The same launches as custom ops, which torch.compile traces through (the Function above costs less host time per
@@ -530,8 +572,9 @@ def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         key_lo: torch.Tensor | None, key_hi: torch.Tensor | None,
                         query_lo: torch.Tensor | None, query_hi: torch.Tensor | None, unpadded: bool,
                         store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (unit last stride) -> out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32 (with
-    # store_lse, which a backward needs; else empty: custom ops return no None)
+    # q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] (unit last stride), windows int32 and contiguous on q's device
+    # -> out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32 (with store_lse, which a backward needs; else empty: custom ops
+    # return no None)
     windows = _windows_of(key_lo, key_hi, query_lo, query_hi, unpadded)
     out, lse = _forward(q, k, v, causal, scale, windows, store_lse)
     return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)

@@ -84,9 +84,9 @@ def kernel_calls(monkeypatch):
     """Shapes and arguments of every call of the flash-attention op from the attention function."""
     real, calls = attention.flash_attention, []
 
-    def counted(q, k, v, causal=False, scale=None, windows=None):
+    def counted(q, k, v, causal=False, scale=None, windows=None, **kwargs):
         calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), causal=causal, windows=windows))
-        return real(q, k, v, causal=causal, scale=scale, windows=windows)
+        return real(q, k, v, causal=causal, scale=scale, windows=windows, **kwargs)
 
     monkeypatch.setattr(attention, "flash_attention", counted)
     return calls
@@ -291,6 +291,25 @@ def test_sliding_window_matches_sdpa(kind, padding, kernel_calls):
     assert [(c["causal"], c["windows"] is not None) for c in kernel_calls] == [(True, True)] * 2
     assert_close(logits[real], want_logits[real], "logits vs sdpa")
     assert_grads_close(grads, want_grads)
+
+
+def test_sliding_windows_are_memoised_with_the_position_ids(monkeypatch, kernel_calls):
+    """Narrowed to the sliding window once per forward, not once per layer; anew when the position ids change in
+    place (packed there), with the logits of a fresh tensor holding the same ids."""
+    built = []
+    real_narrowing = attention.with_sliding_window
+    monkeypatch.setattr(attention, "with_sliding_window", lambda *args: built.append(1) or real_narrowing(*args))
+    model = tiny_model("mistral", attn_implementation="lorafuse", num_hidden_layers=3, sliding_window=4)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    position_ids = torch.arange(9).repeat(2, 1)
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=position_ids, use_cache=False)
+        assert len(kernel_calls) == 3 and len(built) == 1
+        position_ids[1, 5:] = torch.arange(4)
+        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        assert len(kernel_calls) == 6 and len(built) == 2
+        want = model(input_ids=ids, position_ids=position_ids.clone(), use_cache=False).logits
+    assert torch.equal(logits, want)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lorafuse import _logging
+from lorafuse.ops import flash_attention as attention_module
 from lorafuse.ops.attention_windows import (windows_from_padding_mask, windows_from_position_ids,
                                             with_sliding_window)
 from lorafuse.ops.flash_attention import attention_reference, flash_attention
@@ -413,6 +415,43 @@ def test_deterministic(dtype):
     assert torch.equal(one["out"], first), "forward with and without autograd differ"
     for name in one:
         assert torch.equal(one[name], two[name]), f"two backward calls differ in {name}"
+
+
+@pytest.mark.parametrize("d, dtype", [(32, torch.bfloat16), (32, torch.float32), (40, torch.float32)],
+                         ids=["bf16", "fp32", "fallback"])
+def test_transposed_output(d, dtype):
+    # transposed=True: [B, Nq, Hq, D], contiguous from the kernels; the same values and gradients (a double backward
+    # too) as the default layout, on the kernels' path and on SDPA's (head dim 40)
+    mask = left_right_mask(12, [12, 7], [True, False])
+    q, k, v = qkv(2, 4, 2, 12, 12, d, dtype)
+    windows = windows_from_padding_mask(mask, 12)
+    grad_out = torch.randn(2, 12, 4, d).to(dtype)
+    want = run(lambda q, k, v: flash_attention(q, k, v, True, windows=windows), q, k, v, grad_out.transpose(1, 2))
+    got = run(lambda q, k, v: flash_attention(q, k, v, True, windows=windows, transposed=True), q, k, v, grad_out)
+    assert got["out"].shape == (2, 12, 4, d) and torch.equal(got["out"], want["out"].transpose(1, 2))
+    if d != 40:
+        assert got["out"].is_contiguous()  # the kernels' memory
+    for name in GRADS:
+        assert torch.equal(got[name], want[name]), name
+    with torch.no_grad():
+        assert torch.equal(flash_attention(q, k, v, True, windows=windows, transposed=True), got["out"])
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    twice = [torch.autograd.grad(flash_attention(q, k, v, True, windows=windows, transposed=transposed), q,
+                                 grad_out if transposed else grad_out.transpose(1, 2), create_graph=True)[0]
+             for transposed in (True, False)]
+    assert twice[0].requires_grad and torch.equal(*twice)
+
+
+def test_descriptors_share_a_layout_not_a_tensor():
+    # the descriptors' layout checks are cached per layout; each descriptor binds the tensor it was made for
+    first, second = (torch.randn(2, 8, 4, 32, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    one, two = attention_module._descriptor(first, 16, 32), attention_module._descriptor(second, 16, 32)
+    assert one.base is first and two.base is second
+    made = TensorDescriptor(second, list(second.shape), list(second.stride()), [1, 1, 16, 32])
+    assert vars(two) == vars(made)
+    misaligned = torch.randn(2, 4, 8, 36, dtype=torch.bfloat16)[..., :32]  # rows 72 bytes apart
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        attention_module._descriptor(misaligned, 16, 32)
 
 
 @pytest.fixture
