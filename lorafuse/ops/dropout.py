@@ -8,9 +8,7 @@ of column group g takes half h of word j, as a 14-bit draw (the half's low 14 bi
 Why 14 bits: a 14-bit draw is a positive, finite float16 bit pattern, so one paired half-precision
 compare (`set.ge.u32.f16x2`, any NVIDIA GPU since sm_53) decides two neighbouring columns against
 the threshold at once, and one AND makes their 0/1 multipliers in x's dtype: 1.5 instructions a
-column where 16-bit draws took 3 (integer compares, selects and a repack). Compiled for sm_90, the
-masked shrink's kernel went from 992 to 912 instructions, the Gluon dropout backward's from 1392 to
-1320 (benchmarks/NOTES_lora_layer.md).
+column where 16-bit draws took 3 (integer compares, selects and a repack).
 Triton's interpreter has no inline assembly: there the same decisions run as integer compares.
 
 The drop probability is rounded to a multiple of 1/16384 (at most 3.1e-5 away from the requested
