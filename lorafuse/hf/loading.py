@@ -65,14 +65,14 @@ def load_causal_lm(name_or_path: str, *, dtype: torch.dtype, attn_implementation
 
 
 def add_lora(model: PreTrainedModel, *, fused: bool, attention: bool, model_kernels: bool = True,
-             **lora_config) -> peft.PeftModel:
+             loss_kernels: bool = True, **lora_config) -> peft.PeftModel:
     """A PeftModel with `peft.LoraConfig(task_type="CAUSAL_LM", **lora_config)`; with `fused`, its LoRA layers run
-    lorafuse's kernels, with `attention` too its attention, with `model_kernels` its RMSNorms and SwiGLU MLPs.
-    Without `fused`: PEFT's own."""
+    lorafuse's kernels, with `attention` too its attention, with `model_kernels` its RMSNorms and SwiGLU MLPs, with
+    `loss_kernels` its training loss (no full logits). Without `fused`: PEFT's own."""
     config = peft.LoraConfig(task_type="CAUSAL_LM", **lora_config)
     if not fused:
         return peft.get_peft_model(model, config)
-    return get_peft_model(model, config, attention=attention, model_kernels=model_kernels)
+    return get_peft_model(model, config, attention=attention, model_kernels=model_kernels, loss_kernels=loss_kernels)
 
 
 def save_merged(base: PreTrainedModel, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike,

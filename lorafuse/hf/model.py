@@ -2,8 +2,9 @@
 
 `get_peft_model` and `from_pretrained` are PEFT's own functions followed by `fuse`; `fuse` swaps the
 LoRA layers' class (lora.py), switches the transformers model to attn_implementation="lorafuse"
-(attention.py) and runs its Llama-style RMSNorms and SwiGLU MLPs on lorafuse's kernels (model_kernels.py);
-`unfuse` undoes all three. Target specs, saving, loading and merging stay PEFT's.
+(attention.py), runs its Llama-style RMSNorms and SwiGLU MLPs on lorafuse's kernels (model_kernels.py) and its
+training loss without full logits (causal_lm_loss.py); `unfuse` undoes all four. Target specs, saving, loading and
+merging stay PEFT's.
 """
 import logging
 import os
@@ -21,6 +22,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .._logging import log_once
 from .attention import NAME as ATTENTION
+from .causal_lm_loss import use_loss_kernels
 from .lora import fuse_layers, unfuse_layers
 from .model_kernels import drop_model_kernels, use_model_kernels
 
@@ -31,13 +33,15 @@ _ATTENTION_BEFORE = "_lorafuse_attention_before"  # set on the transformers mode
 
 
 def get_peft_model(model: nn.Module, peft_config: peft.PeftConfig, adapter_name: str = "default",
-                   attention: bool = True, model_kernels: bool = True, **kwargs) -> PeftModel:
+                   attention: bool = True, model_kernels: bool = True, loss_kernels: bool = True,
+                   **kwargs) -> PeftModel:
     """`peft.get_peft_model(model, peft_config, adapter_name, **kwargs)`, then `fuse`: fused LoRA layers and, with
-    `attention`, lorafuse attention, with `model_kernels`, RMSNorm and SwiGLU on lorafuse's kernels. Target specs
-    (names, regex, "all-linear", exclude_modules, rank/alpha patterns) are PEFT's."""
+    `attention`, lorafuse attention, with `model_kernels`, RMSNorm and SwiGLU on lorafuse's kernels, with
+    `loss_kernels`, the training loss without full logits. Target specs (names, regex, "all-linear", exclude_modules,
+    rank/alpha patterns) are PEFT's."""
     with _naming_targets(model):
         peft_model = peft.get_peft_model(model, peft_config, adapter_name=adapter_name, **kwargs)
-    return fuse(peft_model, attention=attention, model_kernels=model_kernels)
+    return fuse(peft_model, attention=attention, model_kernels=model_kernels, loss_kernels=loss_kernels)
 
 
 def from_pretrained(model: nn.Module, adapter: str | os.PathLike, **kwargs) -> PeftModel:
@@ -48,23 +52,27 @@ def from_pretrained(model: nn.Module, adapter: str | os.PathLike, **kwargs) -> P
     return fuse(peft_model)
 
 
-def fuse(model: nn.Module, attention: bool = True, model_kernels: bool = True) -> nn.Module:
-    """Run `model`'s (a PeftModel's) LoRA layers fused, with `attention` its attention on lorafuse's kernel, and with
-    `model_kernels` its Llama-style RMSNorms and SwiGLU MLPs (Llama, Mistral, Qwen2, Qwen3) on lorafuse's kernels;
-    in place, returns `model`. Reversible with `unfuse`."""
+def fuse(model: nn.Module, attention: bool = True, model_kernels: bool = True, loss_kernels: bool = True
+         ) -> nn.Module:
+    """Run `model`'s (a PeftModel's) LoRA layers fused, with `attention` its attention on lorafuse's kernel, with
+    `model_kernels` its Llama-style RMSNorms and SwiGLU MLPs (Llama, Mistral, Qwen2, Qwen3) on lorafuse's kernels,
+    and with `loss_kernels` the same families' training loss computed without their logits (a training forward
+    with labels then returns logits=None); in place, returns `model`. Reversible with `unfuse`."""
     fuse_layers(model)
     if attention:
         _use_lorafuse_attention(model)
     if model_kernels:
         use_model_kernels(model)
+    if loss_kernels:
+        use_loss_kernels(model)
     return model
 
 
 def unfuse(model: nn.Module) -> nn.Module:
     """Give `model` back PEFT's LoRA classes, the attention implementation it had before `fuse` and transformers'
-    RMSNorm and MLP forwards; returns `model`."""
+    RMSNorm, MLP and causal-LM forwards; returns `model`."""
     unfuse_layers(model)
-    drop_model_kernels(model)
+    drop_model_kernels(model)  # every KernelForward: the norms', the MLPs' and the loss's
     base = _transformers_model(model)
     before = getattr(base, _ATTENTION_BEFORE, None)  # None also without a transformers model
     if before is not None:

@@ -94,6 +94,7 @@ class LoraSection:
     bias: str = "none"
     fused: bool = True                  # False: PEFT's own LoRA layers (for comparison)
     model_kernels: bool = True          # with fused: Llama-style RMSNorm and SwiGLU on lorafuse's kernels too
+    loss_kernels: bool = True           # with fused: the loss without full logits (Llama-style causal LMs)
 
 
 @dataclass

@@ -115,7 +115,7 @@ class Finetune:
         try:
             model = loading.add_lora(
                 model, fused=lora.fused, attention=cfg.attn_implementation.value == "lorafuse",
-                model_kernels=lora.model_kernels, r=lora.r,
+                model_kernels=lora.model_kernels, loss_kernels=lora.loss_kernels, r=lora.r,
                 lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
                 exclude_modules=lora.exclude_modules, use_rslora=lora.use_rslora, bias=lora.bias)
         except ValueError as err:  # PEFT's refusals: no module matches, a module type it cannot adapt, ...

@@ -40,17 +40,18 @@ def kernel_calls(monkeypatch) -> collections.Counter:
     count_calls(monkeypatch, calls, "lorafuse.hf.attention", "flash_attention")
     count_calls(monkeypatch, calls, "lorafuse.hf.model_kernels", "rms_norm")
     count_calls(monkeypatch, calls, "lorafuse.hf.model_kernels", "silu_mul")
+    count_calls(monkeypatch, calls, "lorafuse.hf.causal_lm_loss", "linear_cross_entropy")
     return calls
 
 
-def logits_and_grads(model: nn.Module, inputs: dict) -> dict:
-    """Logits, and the loss's gradients of the input embeddings and of every trainable parameter."""
+def loss_and_grads(model: nn.Module, inputs: dict) -> dict:
+    """The training loss, and its gradients of the input embeddings and of every trainable parameter."""
     inputs = dict(inputs)
     embeds = model.get_input_embeddings()(inputs.pop("input_ids")).detach().requires_grad_(True)
-    out = model(inputs_embeds=embeds, **inputs)
+    out = model.train()(inputs_embeds=embeds, **inputs)
     out.loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
-    return {"logits": out.logits.detach(), "inputs_embeds": embeds.grad, **grads}
+    return {"loss": out.loss.detach(), "inputs_embeds": embeds.grad, **grads}
 
 
 # Llama-style RMSNorms (two per layer and the final one; Qwen3 adds q and k norms) and SwiGLU MLPs (one per layer)
@@ -58,6 +59,9 @@ def logits_and_grads(model: nn.Module, inputs: dict) -> dict:
 LLAMA_STYLE = {"rms_norm": 2 * LAYERS + 1, "silu_mul": LAYERS}
 MODEL_KERNELS = {"llama": LLAMA_STYLE, "mistral": LLAMA_STYLE, "qwen2": LLAMA_STYLE,
                  "qwen3": {"rms_norm": 4 * LAYERS + 1, "silu_mul": LAYERS}, "gemma3": {}, "gpt2": {}, "bert": {}}
+# The training loss without full logits: the causal LMs whose forward is LlamaForCausalLM's.
+LOSS_KERNEL = {family: {"linear_cross_entropy": 1} if family in ("llama", "mistral", "qwen2", "qwen3") else {}
+               for family in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -67,9 +71,12 @@ def test_logits_and_grads_match_peft(family, kernel_calls):
     assert lora_layer_kinds(fused) == {"FusedLoraLinear": LORA_LAYERS[family]}
     assert fused.get_base_model().config._attn_implementation == "lorafuse"
     inputs = batch(family)
-    fused_results = logits_and_grads(fused, inputs)
-    assert kernel_calls == {"lora_linear": LORA_LAYERS[family], "flash_attention": LAYERS, **MODEL_KERNELS[family]}
-    assert_fp32_close(fused_results, logits_and_grads(plain, inputs))
+    fused_results = loss_and_grads(fused, inputs)
+    assert kernel_calls == {"lora_linear": LORA_LAYERS[family], "flash_attention": LAYERS, **MODEL_KERNELS[family],
+                            **LOSS_KERNEL[family]}
+    plain_results = loss_and_grads(plain, inputs)
+    fused_results["logits"], plain_results["logits"] = logits(fused, inputs), logits(plain, inputs)
+    assert_fp32_close(fused_results, plain_results)
 
 
 def test_encoder_ignores_padding(kernel_calls):
