@@ -285,12 +285,14 @@ def test_llama_logits_and_lora_grads_match_peft(op_calls):
     ids = torch.randint(0, LLAMA["vocab_size"], (2, 13))
     results = []
     for model in (fused, plain):
-        out = model(input_ids=ids, labels=ids)
+        out = model(input_ids=ids, labels=ids)  # training: the fused model returns no logits (loss_kernels)
         out.loss.backward()
-        results.append({"logits": out.logits.detach(), **lora_grads(model)})
-    assert len(results[1]) == 1 + 2 * 2 * len(TARGETS)
+        with torch.no_grad():
+            logits = model.eval()(input_ids=ids).logits
+        results.append({"loss": out.loss.detach(), "logits": logits, **lora_grads(model)})
+    assert len(results[1]) == 2 + 2 * 2 * len(TARGETS)
     assert_fp32_close(*results)
-    assert len(op_calls) == 2 * len(TARGETS)
+    assert len(op_calls) == 2 * 2 * len(TARGETS)  # the training forward and the eval one
 
 
 def test_llama_saved_fused_loads_in_plain_peft(tmp_path):
