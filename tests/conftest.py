@@ -11,8 +11,12 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
+import logging  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import lorafuse._logging  # noqa: E402
 
 from . import triton_interpreter  # noqa: E402,F401  (bf16 in the interpreter computes as on a GPU)
 
@@ -31,3 +35,10 @@ def _seed_torch():
     # Every test draws its own fresh inputs, reproducibly and independently of test order.
     torch.manual_seed(0)
 
+
+@pytest.fixture
+def fallback_log(monkeypatch, caplog):
+    """The once-per-process fallback messages, forgotten before the test so it sees its own."""
+    monkeypatch.setattr(lorafuse._logging, "_said", set())
+    caplog.set_level(logging.INFO, logger="lorafuse")
+    return caplog

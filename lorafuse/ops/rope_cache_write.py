@@ -15,6 +15,7 @@ import triton.language as tl
 from ._dependent_launch import launch_options, wait_for_inputs
 from ._lora_columns import (columns_with_lora, deferred_parts, lora_b_rows, projections_reference, rank_tile, row_rstd,
                             row_scales_args)
+from .rope import rotated
 
 
 def rope_cache_write_reference(qkv, lora_B, scales, cos, sin, q_norm, k_norm, eps, slot, q_out, k_cache, v_cache,
@@ -41,13 +42,6 @@ def rope_cache_write_reference(qkv, lora_B, scales, cos, sin, q_norm, k_norm, ep
 def rms_norm_of_heads(x, weight, eps):
     # x: [B, H, D], weight: [D]
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def rotated(x, cos, sin):
-    # x: [B, H, D], cos, sin: [B, D] -> x * cos + rotate_half(x) * sin, as transformers' apply_rotary_pos_emb
-    half = x.shape[-1] // 2
-    rotate_half = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos[:, None] + rotate_half * sin[:, None]
 
 
 @triton.jit

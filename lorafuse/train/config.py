@@ -93,7 +93,7 @@ class LoraSection:
     use_rslora: bool = False
     bias: str = "none"
     fused: bool = True                  # False: PEFT's own LoRA layers (for comparison)
-    model_kernels: bool = True          # with fused: Llama-style RMSNorm and SwiGLU on lorafuse's kernels too
+    model_kernels: bool = True          # with fused: Llama-style RMSNorm, SwiGLU and RoPE on lorafuse's kernels too
     loss_kernels: bool = True           # with fused: the loss without full logits (Llama-style causal LMs)
 
 

@@ -19,6 +19,7 @@ from tests.hf.test_fuse import OneLinear
 from tests.lora_check import relative_error
 
 LLAMA_LAYERS = [f"model.layers.{i}" for i in range(2)]
+LLAMA_KERNELS = {"LlamaRMSNorm": 5, "LlamaMLP": 2, "LlamaAttention": 2}  # the modules on lorafuse's kernel forwards
 # transformers' own adapter methods (add_adapter, load_adapter) refuse a PEFT older than their MIN_PEFT_VERSION:
 # transformers 5.24 asks for PEFT 0.22.0, which is not released yet (PyPI's newest: 0.21.2, 2026-11-24).
 PEFT_FOR_TRANSFORMERS = getattr(transformers_peft, "MIN_PEFT_VERSION", "0")
@@ -30,7 +31,7 @@ def attention_of(model: PeftModel) -> str:
 
 
 def on_model_kernels(model: PeftModel) -> dict:
-    """{class name: how many of its modules have lorafuse's forward} for the norms and MLPs of `model`."""
+    """{class name: how many of its modules have lorafuse's forward} for the norms, MLPs and attentions of `model`."""
     found = collections.Counter()
     for module in model.modules():
         forward = vars(module).get("forward")
@@ -43,7 +44,7 @@ def test_get_peft_model_fuses_layers_attention_and_model_kernels_and_unfuse_rest
     model = lorafuse.get_peft_model(tiny_model("llama"), lora_config("llama", target_modules=["q_proj", "v_proj"]))
     assert isinstance(model, PeftModel)
     assert (lora_layer_kinds(model), attention_of(model)) == ({"FusedLoraLinear": 4}, "lorafuse")
-    assert on_model_kernels(model) == {"LlamaRMSNorm": 5, "LlamaMLP": 2}
+    assert on_model_kernels(model) == LLAMA_KERNELS
     assert lorafuse.unfuse(model) is model
     assert (lora_layer_kinds(model), attention_of(model), on_model_kernels(model)) == ({"Linear": 4}, "sdpa", {})
     assert lorafuse.fuse(model, attention=False, model_kernels=False) is model
@@ -57,7 +58,7 @@ def test_fused_model_pickles_whole(tmp_path):
     ids = batch("llama")["input_ids"]
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert on_model_kernels(loaded) == {"LlamaRMSNorm": 5, "LlamaMLP": 2}
+    assert on_model_kernels(loaded) == LLAMA_KERNELS
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
     copied = copy.deepcopy(model)

@@ -1,4 +1,4 @@
-"""flash_attention, rms_norm and silu_mul as PyTorch custom ops (lorafuse::<op>, lorafuse::<op>_backward):
+"""flash_attention, rms_norm, silu_mul and rope as PyTorch custom ops (lorafuse::<op>, lorafuse::<op>_backward):
 torch.library.opcheck (schema, fake shapes and strides, autograd registration, AOT dispatch), and torch.compile with
 fullgraph=True (no graph break) through them giving eager's outputs and gradients, the ops in its forward and
 backward graphs. Eager calls keep the direct route; fallbacks and torch.func transforms stay traceable."""
@@ -13,10 +13,12 @@ from torch.func import grad, vmap
 from lorafuse import _logging
 from lorafuse.ops import flash_attention as attention_module
 from lorafuse.ops import rms_norm as rms_norm_module
+from lorafuse.ops import rope as rope_module
 from lorafuse.ops import silu_mul as silu_mul_module
 from lorafuse.ops.attention_windows import windows_from_padding_mask, windows_from_position_ids
 from lorafuse.ops.flash_attention import attention_reference, flash_attention
 from lorafuse.ops.rms_norm import rms_norm, rms_norm_reference
+from lorafuse.ops.rope import rope, rope_reference
 from lorafuse.ops.silu_mul import silu_mul, silu_mul_reference
 
 EPS = 1e-5
@@ -30,6 +32,18 @@ def attention_inputs(n_q=9, n_k=9):
     # q: [2, 4, Nq, 16] laid out [B, Nq, H, D] as transformers' attention layers make it; k, v: [2, 2, Nk, 16]
     q = torch.randn(2, n_q, 4, 16).transpose(1, 2)
     return q, torch.randn(2, 2, n_k, 16), torch.randn(2, 2, n_k, 16)
+
+
+def rope_inputs():
+    # q: [2, 4, 5, 16], k: [2, 2, 5, 16] laid out [B, T, H, D] as attention layers make them; cos, sin: [1, 5, 16]
+    angles = torch.randn(1, 5, 16)
+    return (torch.randn(2, 5, 4, 16).transpose(1, 2), torch.randn(2, 5, 2, 16).transpose(1, 2), angles.cos(),
+            angles.sin())
+
+
+def rotated_flat(rotate, cos, sin):
+    """q, k -> rotate(q, k, cos, sin)'s two outputs flattened into one tensor (compiled_and_eager takes one)."""
+    return lambda q, k: torch.cat([t.flatten() for t in rotate(q, k, cos, sin)])
 
 
 def attention_windows(kind: str):
@@ -68,6 +82,15 @@ def test_silu_mul_ops_pass_opcheck():
     gate, up = torch.randn(37, 3).t(), torch.randn(3, 37)  # gate transposed: the op computes on a contiguous copy
     torch.library.opcheck(torch.ops.lorafuse.silu_mul.default, leaves(gate, up))
     torch.library.opcheck(torch.ops.lorafuse.silu_mul_backward.default, (gate, up, torch.randn(3, 37)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_ops_pass_opcheck(dtype):
+    q, k, cos, sin = (t.to(dtype) for t in rope_inputs())
+    torch.library.opcheck(torch.ops.lorafuse.rope.default, (*leaves(q, k), cos, sin))
+    # dq_out laid out as the forward's outputs, dk_out contiguous
+    dq_out, dk_out = torch.randn(2, 5, 4, 16).transpose(1, 2).to(dtype), torch.randn(2, 2, 5, 16).to(dtype)
+    torch.library.opcheck(torch.ops.lorafuse.rope_backward.default, (dq_out, dk_out, cos, sin, dtype))
 
 
 @pytest.mark.parametrize("windows_kind", [None, "padded", "packed"], ids=str)
@@ -141,6 +164,14 @@ def test_compiled_silu_mul_equals_eager_through_the_custom_ops():
     assert "lorafuse.silu_mul.default" in graphs[0] and "lorafuse.silu_mul_backward.default" in graphs[1]
 
 
+def test_compiled_rope_equals_eager_through_the_custom_ops():
+    q, k, cos, sin = rope_inputs()
+    rotate = rotated_flat(lambda q, k, cos, sin: rope(q * 2.0, k, cos, sin), cos, sin)
+    compiled, eager, graphs = compiled_and_eager(rotate, (q, k), torch.randn(2 * 5 * 6 * 16))
+    assert_equal_results(compiled, eager)
+    assert "lorafuse.rope.default" in graphs[0] and "lorafuse.rope_backward.default" in graphs[1]
+
+
 @pytest.mark.parametrize("windows_kind", [None, "padded", "packed"], ids=str)
 def test_compiled_flash_attention_equals_eager_through_the_custom_ops(windows_kind):
     windows = attention_windows(windows_kind)
@@ -176,7 +207,7 @@ def fresh_log(monkeypatch, caplog):
     return caplog
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "flash_attention"])
+@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "flash_attention", "rope"])
 def test_compiled_fallback_runs_the_reference_and_says_why(op, fresh_log):
     # float64: the kernels decline; the reason is said while Dynamo traces, without a graph break
     if op == "rms_norm":
@@ -184,6 +215,9 @@ def test_compiled_fallback_runs_the_reference_and_says_why(op, fresh_log):
                                  (torch.randn(3, 24), torch.rand(24)))
     elif op == "silu_mul":
         fn, reference, inputs = silu_mul, silu_mul_reference, (torch.randn(3, 24), torch.randn(3, 24))
+    elif op == "rope":
+        cos, sin = (t.double() for t in rope_inputs()[2:])
+        fn, reference, inputs = rotated_flat(rope, cos, sin), rotated_flat(rope_reference, cos, sin), rope_inputs()[:2]
     else:
         fn, reference = (lambda *qkv: flash_attention(*qkv, causal=True),
                          lambda *qkv: attention_reference(*qkv, causal=True))
@@ -213,16 +247,20 @@ def test_compiled_torch_func_transforms_run_the_references(fresh_log):
     assert "torch.func transform" in fresh_log.text
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "flash_attention"])
+@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "flash_attention", "rope"])
 def test_eager_calls_keep_the_direct_route(op, monkeypatch):
     # the custom ops cost more host time per call: eager forwards and backwards never reach them
     module, name = {"rms_norm": (rms_norm_module, "_rms_norm_op"), "silu_mul": (silu_mul_module, "_silu_mul_op"),
-                    "flash_attention": (attention_module, "_flash_attention_op")}[op]
+                    "flash_attention": (attention_module, "_flash_attention_op"),
+                    "rope": (rope_module, "_rope_op")}[op]
     monkeypatch.setattr(module, name, lambda *args, **kwargs: pytest.fail("the custom op ran in eager mode"))
     if op == "rms_norm":
         out = rms_norm(*leaves(torch.randn(3, 24), torch.rand(24)), EPS)
     elif op == "silu_mul":
         out = silu_mul(*leaves(torch.randn(3, 24), torch.randn(3, 24)))
+    elif op == "rope":
+        q, k, cos, sin = rope_inputs()
+        out = rotated_flat(rope, cos, sin)(*leaves(q, k))
     else:
         out = flash_attention(*leaves(*attention_inputs()), causal=True)
     out.sum().backward()
