@@ -49,32 +49,35 @@ class FusedLoraLinear(lora.Linear):
         if len(active) != 1:
             return "several active adapters"
         adapter = active[0]
-        if adapter not in self.lora_A:
+        modules = self._modules  # `self.lora_A` would go through Module.__getattr__ after a failed lookup
+        if adapter not in modules["lora_A"]:
             return "no weights for the active adapter"
         if adapter in self.lora_variant:
             variant = type(self.lora_variant[adapter]).__name__.removesuffix("LinearVariant")
             return f"{variant} adapters (a LoRA variant)"
-        base = self.base_layer
-        dropout = self.lora_dropout[adapter]
+        base, lora_A, lora_B = modules["base_layer"], modules["lora_A"][adapter], modules["lora_B"][adapter]
+        dropout = modules["lora_dropout"][adapter]
         # PEFT's forward calls these modules, so their hooks fire (accelerate's offload, activation probes, backward
         # hooks); the fused op reads their weights and calls none of them
-        if any(map(_hooked, (base, self.lora_A[adapter], self.lora_B[adapter], dropout))) or _global_module_hooks():
+        if any(map(_hooked, (base, lora_A, lora_B, dropout))) or _global_module_hooks():
             return "hooks on the base layer, lora_A, lora_B or lora_dropout, or global module hooks"
         if type(dropout) not in (nn.Dropout, nn.Identity):
             return f"a {type(dropout).__name__} lora_dropout (fused: nn.Dropout or nn.Identity)"
         autocast = torch.is_autocast_enabled(x.device.type)
-        if not autocast and (x.dtype != base.weight.dtype or x.dtype not in FUSED_DTYPES):
+        base_dtype = base.weight.dtype
+        if not autocast and (x.dtype != base_dtype or x.dtype not in FUSED_DTYPES):
             # The op casts adapter tiles (PEFT keeps them in float32 for half-precision bases)
             # and follows autocast itself; input and frozen weight must share a fused dtype.
-            return f"input {x.dtype} and base weight {base.weight.dtype} (fused: one of float32, float16, bfloat16)"
-        lora_B = self.lora_B[adapter]
-        adapter_dtypes = {self.lora_A[adapter].weight.dtype, lora_B.weight.dtype}
-        if len(adapter_dtypes) != 1 or not adapter_dtypes <= set(FUSED_DTYPES):
-            return f"adapter weights in {sorted(map(str, adapter_dtypes))} (fused: one of float32, float16, bfloat16)"
-        if lora_B.bias is not None and lora_B.bias.dtype != x.dtype and not autocast:
+            return f"input {x.dtype} and base weight {base_dtype} (fused: one of float32, float16, bfloat16)"
+        a_dtype, b_dtype = lora_A.weight.dtype, lora_B.weight.dtype
+        if a_dtype != b_dtype or a_dtype not in FUSED_DTYPES:
+            return (f"adapter weights in {sorted(map(str, {a_dtype, b_dtype}))} (fused: one of float32, float16, "
+                    "bfloat16)")
+        lora_bias = lora_B.bias
+        if lora_bias is not None and lora_bias.dtype != x.dtype and not autocast:
             # PEFT adds lora_B's bias in the adapter dtype after the base output; folded into
             # the base bias (as the op takes it) it would have to be rounded to x's dtype first.
-            return f"lora_bias in {lora_B.bias.dtype} on {x.dtype} inputs"
+            return f"lora_bias in {lora_bias.dtype} on {x.dtype} inputs"
         return None
 
 

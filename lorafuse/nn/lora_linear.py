@@ -19,17 +19,20 @@ def lora_forward(layer: nn.Module, adapter: str, x: torch.Tensor, seed: torch.Te
     Dropout follows `layer.training`; `seed` (int64 [1]) fixes its mask, None draws a fresh one.
     """
     # x: [..., K]; base_layer.weight: [N, K] ([K, N] with fan_in_fan_out); lora_A.weight: [r, K]; lora_B.weight: [N, r]
-    base, lora_A, lora_B = layer.base_layer, layer.lora_A[adapter], layer.lora_B[adapter]
+    modules = layer._modules  # `layer.lora_A` would go through Module.__getattr__ after a failed lookup
+    base, lora_A, lora_B = modules["base_layer"], modules["lora_A"][adapter], modules["lora_B"][adapter]
     # PEFT's fan_in_fan_out marks a base stored [K, N] (transformers' Conv1D, GPT-2): the op takes
     # the transposed view as it is, on either GEMM route (strided operands, no copy).
-    weight = base.weight.t() if getattr(layer, "fan_in_fan_out", False) else base.weight
+    weight = base.weight
+    if getattr(layer, "fan_in_fan_out", False):
+        weight = weight.t()
     scale = layer.scaling[adapter]
-    dropout = layer.lora_dropout[adapter]
+    dropout = modules["lora_dropout"][adapter]
     dropout_p = dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0  # as PEFT's nn.Dropout
     # PEFT adds lora_B's bias after scaling: y = x W^T + b + scale * (B (A x) + b_B).
-    bias = base.bias
-    if lora_B.bias is not None:
-        bias = scale * lora_B.bias if bias is None else bias + scale * lora_B.bias
+    bias, lora_bias = base.bias, lora_B.bias
+    if lora_bias is not None:
+        bias = scale * lora_bias if bias is None else bias + scale * lora_bias
     return lora_linear(x, weight, bias, lora_A.weight, lora_B.weight, scale, dropout_p, seed=seed)
 
 

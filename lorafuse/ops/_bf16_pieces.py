@@ -21,9 +21,10 @@ from ._tiles import lora_in_fp32
 PIECES = 3  # 3 x (8 + 1) bits cover float32's 24-bit significand
 
 
-def uses_bf16_pieces(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> bool:
-    """Whether the big rank-r products of float32 adapters on bf16 activations run on bf16 pieces."""
-    return x_dtype == torch.bfloat16 and lora_in_fp32(x_dtype, adapter_dtype)
+def uses_bf16_pieces(x_dtype: torch.dtype, adapter_dtype: torch.dtype, mode: str | None = None) -> bool:
+    """Whether the big rank-r products of float32 adapters on bf16 activations run on bf16 pieces (mode: as
+    lora_in_fp32's)."""
+    return x_dtype == torch.bfloat16 and lora_in_fp32(x_dtype, adapter_dtype, mode)
 
 
 def bf16_pieces_reference(t: torch.Tensor) -> torch.Tensor:

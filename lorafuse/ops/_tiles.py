@@ -1,7 +1,8 @@
 """What the kernels' launchers share: rank padding, split sizing from the device's SM count,
-and the precision of the rank-r products (LORAFUSE_ADAPTER_MATH)."""
+the precision of the rank-r products (LORAFUSE_ADAPTER_MATH) and launch plans."""
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -9,6 +10,18 @@ import triton.language as tl
 
 ADAPTER_MATH = ("exact", "fast")
 CPU_STAND_IN_SMS = 132  # Triton's interpreter has no SMs: plan as on an H100/H200, so CPU tests split alike
+
+
+PLANS = 1024  # launch plans each launcher keeps (functools.lru_cache): far more than a run's shapes
+
+
+class LaunchPlan(NamedTuple):
+    """A launch as decided from shapes, dtypes and settings alone: the grid, the kernel's scalars after its tensors and
+    sizes, its constexprs and launch options (a dict every call shares: never modified). Launchers cache their plans
+    (functools.lru_cache of PLANS): the eager training step is bound by the host's time as much as by the GPU's."""
+    grid: tuple
+    scalars: tuple
+    constants: dict
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -25,16 +38,22 @@ def sm_count(device: torch.device) -> int:
     return CPU_STAND_IN_SMS
 
 
+def cdiv(n: int, block: int) -> int:
+    """ceil(n / block) for launchers' host code: triton.cdiv is a constexpr function, whose wrapper costs
+    microseconds of host time a call."""
+    return -(-n // block)
+
+
 def padded_rank(r: int) -> int:
-    # tl.dot needs every dimension >= 16 and a power of two.
-    return max(16, triton.next_power_of_2(r))
+    # tl.dot needs every dimension >= 16 and a power of two (triton.next_power_of_2 without its constexpr wrapper)
+    return max(16, 1 << (r - 1).bit_length())
 
 
 def split_in_blocks(n: int, block: int, splits: int) -> tuple[int, int]:
     """Cut a length n into at most `splits` chunks of whole blocks: (chunk length, chunks).
     Launchers split a reduction this way to keep about two programs per SM busy."""
-    chunk = triton.cdiv(triton.cdiv(n, max(1, splits)), block) * block
-    return chunk, triton.cdiv(n, chunk)
+    chunk = cdiv(cdiv(n, max(1, splits)), block) * block
+    return chunk, cdiv(n, chunk)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -51,47 +70,61 @@ def adapter_math() -> str:
     return mode
 
 
-def lora_in_fp32(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> bool:
+def lora_in_fp32(x_dtype: torch.dtype, adapter_dtype: torch.dtype, mode: str | None = None) -> bool:
     """Whether the rank-r products run in fp32 (as PEFT runs the adapter path in the adapters'
-    dtype: float32 adapters on a bf16/fp16 base keep float32 precision there)."""
+    dtype: float32 adapters on a bf16/fp16 base keep float32 precision there). mode: adapter_math()'s value, which
+    a caller reads once a call and passes on; None reads it here."""
     if x_dtype == torch.float32:
         return True
-    return adapter_dtype == torch.float32 and adapter_math() == "exact"
+    return adapter_dtype == torch.float32 and (mode or adapter_math()) == "exact"
 
 
-def lora_precision(x_dtype: torch.dtype, adapter_dtype: torch.dtype) -> str:
+def lora_precision(x_dtype: torch.dtype, adapter_dtype: torch.dtype, mode: str | None = None) -> str:
     """tl.dot precision of the rank-r products that run on float32 tiles. float32 adapters on a 16-bit base use
     three tf32 tensor-core passes (fp32-class accuracy; plain fp32 FMA dots measured 4-8x slower than the whole
     layer's budget) where the operands are not bf16 pieces (_bf16_pieces.py: bf16 activations' big products);
     all-float32 inputs stay exact fp32."""
     if x_dtype == torch.float32:
         return "ieee"
-    return "tf32x3" if lora_in_fp32(x_dtype, adapter_dtype) else "tf32"
+    return "tf32x3" if lora_in_fp32(x_dtype, adapter_dtype, mode) else "tf32"
 
 
-def atomic_partial_sums(parts: int) -> bool:
+def atomic_partial_sums(parts: int, deterministic: bool, fixed_order: bool = False) -> bool:
     """Whether a kernel adds its `parts` partial sums of a small output (dB: [N, r]) into it with float32 atomics
     instead of writing them for a reduction afterwards: the partials cost a write and a read of parts x the output
     (8192 rows, 14336 columns, r = 16: 59 MB each way) and a launch; on small outputs (s, ds, dA: [8192, 16]) the
     reduction's launch still took 4.5 us (H100, torch.profiler). Atomics add in no fixed order, so the last bits
-    vary from run to run: under torch.use_deterministic_algorithms(True) the partials are kept, as PyTorch does for
-    its own atomic kernels."""
-    return parts > 1 and not torch.are_deterministic_algorithms_enabled()
+    vary from run to run: under torch.use_deterministic_algorithms(True) (`deterministic`, which launchers read once
+    a call) the partials are kept, as PyTorch does for its own atomic kernels. fixed_order: an output that must not
+    vary from run to run (a forward's: the same prompt gives the same logits): atomics only for two parts, as
+    0 + a + b is the same float in either order."""
+    return parts > 1 and not deterministic and (parts <= 2 or not fixed_order)
 
 
-def partial_sums(parts: int, shape, device, fixed_order: bool = False) -> tuple[torch.Tensor, bool]:
-    """(buffer, atomic) for a kernel's `parts` float32 partial sums of an output of `shape`: with atomic
+def partial_sums(parts: int, shape, device, atomic: bool, to_zero: list | None = None) -> torch.Tensor:
+    """The float32 buffer of a kernel's `parts` partial sums of an output of `shape`: with `atomic`
     (atomic_partial_sums) the output itself, zeroed, which they add into (store_partial); else [parts, *shape] for
-    summed(). fixed_order: an output that must not vary from run to run (a forward's: the same prompt gives the same
-    logits): atomics only for two parts, as 0 + a + b is the same float in either order."""
-    if atomic_partial_sums(parts) and (parts <= 2 or not fixed_order):
-        return torch.zeros(*shape, device=device, dtype=torch.float32), True
-    return torch.empty(parts, *shape, device=device, dtype=torch.float32), False
+    summed(), or for one part the output itself. to_zero: a list that an atomic buffer joins instead of being zeroed
+    here, for the caller to zero it with the others in one launch (zero_all) before the kernel runs."""
+    if parts > 1 and not atomic:
+        return torch.empty(parts, *shape, device=device, dtype=torch.float32)
+    if not atomic or to_zero is None:
+        return (torch.zeros if atomic else torch.empty)(*shape, device=device, dtype=torch.float32)
+    buffer = torch.empty(*shape, device=device, dtype=torch.float32)
+    to_zero.append(buffer)
+    return buffer
 
 
-def summed(buffer: torch.Tensor, atomic: bool) -> torch.Tensor:
+def zero_all(buffers: list) -> None:
+    """Zeroes `buffers` (float32) with one launch, where torch.zeros takes one a buffer: a launch costs the host more
+    than these small fills cost the GPU."""
+    if buffers:
+        torch._foreach_zero_(buffers)
+
+
+def summed(buffer: torch.Tensor, parts: int, atomic: bool) -> torch.Tensor:
     """The output from partial_sums' buffer once the kernel has run."""
-    return buffer if atomic else buffer.sum(0) if buffer.shape[0] > 1 else buffer[0]
+    return buffer.sum(0) if parts > 1 and not atomic else buffer
 
 
 @triton.jit

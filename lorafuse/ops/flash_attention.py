@@ -28,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._logging import log_once
 from ._autograd import differentiable_backward, functorch_reason
-from ._tiles import dot_precision, kernels_run_on
+from ._tiles import cdiv, dot_precision, kernels_run_on
 from ._traceable_log import log_once_traceable
 from ._attention_tiles import (LOG2_E, allowed_tile, fwd_tiles, heavy_first, key_range, load_rows, query_rows,
                                tile_ranges, window_bounds)
@@ -347,11 +347,6 @@ DECODE_BLOCK_M = 16  # tl.dot's smallest tile: a decode step's 1..16 query rows 
 USE_TMA = True
 
 
-def _cdiv(n: int, block: int) -> int:
-    # triton.cdiv without the wrapper of a constexpr function, which costs microseconds of host time per call
-    return -(-n // block)
-
-
 @functools.cache
 def _launch_constants(kernel: str, head_dim: int, dtype: torch.dtype, on_cuda: bool, causal: bool,
                       few_rows: bool = False) -> dict:
@@ -453,7 +448,7 @@ def _flash_forward(q, k, v, causal, scale, windows, store_lse):
     key_lo, key_hi, _, _ = _window_args(windows, q)
     constants = _launch_constants("fwd", d, q.dtype, q.is_cuda, causal, n_q <= DECODE_BLOCK_M)
     d_tile = constants["D_TILE"]
-    grid = (_cdiv(n_q, constants["BLOCK_M"]), b * n_heads)
+    grid = (cdiv(n_q, constants["BLOCK_M"]), b * n_heads)
     tma = _use_tma(q, k, v)
     if tma:
         q_in, k_in, v_in = (_descriptor(q, constants["BLOCK_M"], d_tile), _descriptor(k, constants["BLOCK_N"], d_tile),
@@ -489,7 +484,7 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     k_in, v_in = k, v
     if tma:
         k_in, v_in = _descriptor(k, constants["BLOCK_N"], d_tile), _descriptor(v, constants["BLOCK_N"], d_tile)
-    _attn_bwd_dq_kernel[(_cdiv(n_q, constants["BLOCK_M"]), b * n_heads)](
+    _attn_bwd_dq_kernel[(cdiv(n_q, constants["BLOCK_M"]), b * n_heads)](
         q, k_in, v_in, out, dout, lse, delta, dq, key_lo, key_hi, *q_strides, *k_strides, *v_strides,
         *out.stride()[:3], *do_strides, *dq.stride()[:3],
         n_q, n_k, n_heads, group, scale, scale * LOG2_E, **flags, **constants)
@@ -497,7 +492,7 @@ def _flash_backward(q, k, v, out, lse, dout, causal, scale, windows):
     q_in, do_in = q, dout
     if tma:
         q_in, do_in = _descriptor(q, constants["BLOCK_M"], d_tile), _descriptor(dout, constants["BLOCK_M"], d_tile)
-    _attn_bwd_dkdv_kernel[(_cdiv(n_k, constants["BLOCK_N"]), b * n_kv_heads)](
+    _attn_bwd_dkdv_kernel[(cdiv(n_k, constants["BLOCK_N"]), b * n_kv_heads)](
         q_in, k, v, do_in, lse, delta, dk, dv, key_lo, key_hi, query_lo, query_hi, *q_strides, *k_strides, *v_strides,
         *do_strides, *dk.stride()[:3], *dv.stride()[:3],
         n_q, n_k, n_kv_heads, group, scale, scale * LOG2_E, **flags, **constants)

@@ -8,13 +8,15 @@ with g = dy * act'(z); g itself is written only when the activation is not the i
 (the dx GEMM then needs it). float32 adapters on bf16 activations without an activation (g == dy, exact in
 bf16) run the backward's dots on bf16 pieces of B and s (_bf16_pieces.py).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ._bf16_pieces import dot_pieces, split_bf16, uses_bf16_pieces
-from ._tiles import (lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count, split_in_blocks,
-                     store_partial, summed)
+from ._tiles import (PLANS, LaunchPlan, adapter_math, atomic_partial_sums, cdiv, lora_in_fp32, lora_precision,
+                     padded_rank, partial_sums, sm_count, split_in_blocks, store_partial, summed, zero_all)
 from .activation import activate, activate_grad, activation_reference
 
 
@@ -116,12 +118,24 @@ def _expand_bwd(dy_ptr, z_ptr, s_ptr, b_ptr, g_ptr, ds_part_ptr, db_part_ptr, db
                   row_ok[:, None] & offs_rank_ok, ATOMIC_DS)
 
 
-def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z=False):
-    """y = act(base + scale * s B^T + bias); returns (y, z) with z the pre-activation when store_z."""
+@functools.lru_cache(maxsize=PLANS)
+def _forward_plan(M, N, r, dtype, b_dtype, activation_id, has_base, has_bias, store_z, mode):
+    """lora_expand's launch but its tensors (a LaunchPlan without scalars)."""
+    block_m = 64 if M > 32 else 16
+    return LaunchPlan((cdiv(M, block_m), cdiv(N, 128)), (), dict(
+        ACT=activation_id, HAS_BASE=has_base, HAS_BIAS=has_bias, STORE_Z=store_z,
+        LORA_FP32=lora_in_fp32(dtype, b_dtype, mode), R=padded_rank(r), BLOCK_M=block_m, BLOCK_N=128,
+        PRECISION=lora_precision(dtype, b_dtype, mode), num_warps=4))
+
+
+def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z=False, mode=None):
+    """y = act(base + scale * s B^T + bias); returns (y, z) with z the pre-activation when store_z.
+    mode: the adapter math (_tiles.lora_in_fp32's)."""
     # base: [M, N] or None, s: [M, r] fp32 or in the adapters' dtype (both: unit column stride), B: [N, r]
     M, N, r = s.shape[0], B.shape[0], B.shape[1]
     dtype = base.dtype if base is not None else out.dtype if out is not None else B.dtype
-    fp32 = lora_in_fp32(dtype, B.dtype)
+    plan = _forward_plan(M, N, r, dtype, B.dtype, activation_id, base is not None, bias is not None, store_z,
+                         mode or adapter_math())
 
     def new(dt=dtype):
         return torch.empty(M, N, device=s.device, dtype=dt)
@@ -131,16 +145,12 @@ def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z
     # gets its own buffer.
     z = None
     if store_z:
+        fp32 = plan.constants["LORA_FP32"]
         z = new(torch.float32) if fp32 else base if base is not None and base.is_contiguous() else new()
     in_place = base is not None and z is not base and base.is_contiguous()  # y over base: rows N apart
     y = out if out is not None else base if in_place else new()
-    block_m = 64 if M > 32 else 16
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, 128))
-    _expand_fwd[grid](y, base, s, B.contiguous(), bias, z, M, N, r, scale, N if base is None else base.stride(0),
-                      s.stride(0), ACT=activation_id,
-                      HAS_BASE=base is not None, HAS_BIAS=bias is not None, STORE_Z=store_z, LORA_FP32=fp32,
-                      R=padded_rank(r), BLOCK_M=block_m, BLOCK_N=128,
-                      PRECISION=lora_precision(dtype, B.dtype), num_warps=4)
+    _expand_fwd[plan.grid](y, base, s, B.contiguous(), bias, z, M, N, r, scale,
+                           N if base is None else base.stride(0), s.stride(0), **plan.constants)
     return y, z
 
 
@@ -155,29 +165,42 @@ def _expand_backward_config(M, N, tf32x3, sms):
     return (block_m, 64, 4, 3, 2 * sms)
 
 
-def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, config=None):
+@functools.lru_cache(maxsize=PLANS)
+def _backward_plan(M, N, r, dtype, b_dtype, activation_id, need_dbias, device, deterministic, mode, config):
+    """lora_expand_backward's launch but its tensors (a LaunchPlan; scalars: cols_per_split)."""
+    fp32 = lora_in_fp32(dtype, b_dtype, mode)
+    on_pieces = activation_id == 0 and uses_bf16_pieces(dtype, b_dtype, mode)
+    block_m, block_n, warps, stages, programs = config or _expand_backward_config(M, N, fp32 and not on_pieces,
+                                                                                  sm_count(device))
+    row_blocks = cdiv(M, block_m)
+    cols_per_split, splits = split_in_blocks(N, block_n, min(cdiv(N, 512), cdiv(programs, row_blocks)))
+    return LaunchPlan((row_blocks, splits), (cols_per_split,), dict(
+        ACT=activation_id, STORE_G=activation_id != 0, STORE_DBIAS=need_dbias, LORA_FP32=fp32, ON_PIECES=on_pieces,
+        ATOMIC_DS=atomic_partial_sums(splits, deterministic), ATOMIC_DB=atomic_partial_sums(row_blocks, deterministic),
+        R=padded_rank(r), BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dtype, b_dtype, mode),
+        num_warps=warps, num_stages=stages))
+
+
+def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, config=None, mode=None, zero_also=()):
     """One pass over dy: returns (g, ds, dB, dbias); g is dy when the activation is the identity.
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks)."""
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
+    adapter math (_tiles.lora_in_fp32's); zero_also: a caller's other float32 buffers, zeroed in the same launch as
+    this pass's atomic sums."""
     # dy: [M, N] contiguous, z: [M, N] or None, s: [M, r] fp32, B: [N, r]
     M, N, r = dy.shape[0], B.shape[0], B.shape[1]
-    fp32 = lora_in_fp32(dy.dtype, B.dtype)
-    on_pieces = activation_id == 0 and uses_bf16_pieces(dy.dtype, B.dtype)
-    config = config or _expand_backward_config(M, N, fp32 and not on_pieces, sm_count(dy.device))
-    block_m, block_n, warps, stages, programs = config
-    row_blocks = triton.cdiv(M, block_m)
-    cols_per_split, splits = split_in_blocks(N, block_n, min(triton.cdiv(N, 512), triton.cdiv(programs, row_blocks)))
-    store_g = activation_id != 0
-    g = torch.empty_like(dy) if store_g else dy
-    ds_part, atomic_ds = partial_sums(splits, (M, r), dy.device)
-    db_part, atomic = partial_sums(row_blocks, (r, N), dy.device)
+    plan = _backward_plan(M, N, r, dy.dtype, B.dtype, activation_id, need_dbias, dy.device,
+                          torch.are_deterministic_algorithms_enabled(), mode or adapter_math(), config)
+    (row_blocks, splits), constants = plan.grid, plan.constants
+    atomic_ds, atomic_db = constants["ATOMIC_DS"], constants["ATOMIC_DB"]
+    g = torch.empty_like(dy) if constants["STORE_G"] else dy
+    to_zero = list(zero_also)
+    ds_part = partial_sums(splits, (M, r), dy.device, atomic_ds, to_zero)
+    db_part = partial_sums(row_blocks, (r, N), dy.device, atomic_db, to_zero)
+    zero_all(to_zero)
     dbias_part = torch.empty(row_blocks, N, device=dy.device, dtype=torch.float32) if need_dbias else None
-    _expand_bwd[(row_blocks, splits)](
-        dy, z, s, B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale,
-        cols_per_split, ACT=activation_id, STORE_G=store_g, STORE_DBIAS=need_dbias, LORA_FP32=fp32,
-        ON_PIECES=on_pieces, ATOMIC_DS=atomic_ds, ATOMIC_DB=atomic, R=padded_rank(r),
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=lora_precision(dy.dtype, B.dtype),
-        num_warps=warps, num_stages=stages)
-    ds = summed(ds_part, atomic_ds)
-    db = summed(db_part, atomic).t()
+    _expand_bwd[plan.grid](dy, z, s, B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale, *plan.scalars,
+                           **constants)
+    ds = summed(ds_part, splits, atomic_ds)
+    db = summed(db_part, row_blocks, atomic_db).t()
     dbias = dbias_part.sum(0) if need_dbias else None
     return g, ds, db, dbias

@@ -30,7 +30,7 @@ from .dropout import dropout_args, keep_mask_reference, keep_scale, new_seed
 from .lora_decode import DECODE_MAX_ROWS, lora_decode
 from .lora_expand import lora_expand, lora_expand_backward
 from .lora_matmul import lora_matmul
-from .lora_shrink import lora_shrink, lora_shrink_backward
+from .lora_shrink import lora_shrink, lora_shrink_backward, shrink_backward_partials
 
 GEMM_BACKENDS = ("auto", "triton", "cublas")
 FUSED_SHRINK_MAX_ROWS = 64  # up to here the shrink runs inside the GEMM's K-loop: one launch
@@ -50,8 +50,9 @@ def lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0,
     return activation_reference(z, activation).to(x.dtype)
 
 
-def _route(gemm, x, lora_A, decoding, launch_bound=False):
-    """"cublas", "triton", "decode" or "torch": the module docstring's table."""
+def _route(gemm, x, lora_A, decoding, launch_bound=False, mode=None):
+    """"cublas", "triton", "decode" or "torch": the module docstring's table (mode: the adapter math,
+    _tiles.lora_in_fp32's)."""
     # x: [M, K], lora_A: [r, K]
     gemm = gemm or os.environ.get("LORAFUSE_GEMM", "auto")
     if gemm not in GEMM_BACKENDS:
@@ -62,11 +63,11 @@ def _route(gemm, x, lora_A, decoding, launch_bound=False):
         return "torch"
     if decoding:
         return "decode"
-    small = x.shape[0] <= FUSED_SHRINK_MAX_ROWS and not lora_in_fp32(x.dtype, lora_A.dtype)
+    small = x.shape[0] <= FUSED_SHRINK_MAX_ROWS and not lora_in_fp32(x.dtype, lora_A.dtype, mode)
     return "triton" if small else "cublas"
 
 
-def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, store_z):
+def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, mode, store_z):
     """Returns (y, s, z): the output, the shrink s = dropout(x) A^T (fp32) and, with store_z, z."""
     # x: [M, K] (unit column stride), weight: [N, K], lora_A: [r, K], lora_B: [N, r]
     M = x.shape[0]
@@ -74,63 +75,76 @@ def _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act,
         threshold, drop_scale = dropout_args(dropout_p)
         s = torch.empty(M, lora_A.shape[0], device=x.device, dtype=torch.float32)
         y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, seed, threshold, drop_scale,
-                           shrink_weight=lora_A, mask_input=dropout_p > 0.0, store_z=store_z)
+                           shrink_weight=lora_A, mask_input=dropout_p > 0.0, store_z=store_z, mode=mode)
         return y, s, z
-    s = lora_shrink(x, lora_A, dropout_p, seed)
+    s = lora_shrink(x, lora_A, dropout_p, seed, mode=mode)
     if gemm == "triton":
-        y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, store_z=store_z)
+        y, z = lora_matmul(x, weight.t(), s, lora_B.t(), scale, bias, act, store_z=store_z, mode=mode)
     elif act == 0:
         y, z = lora_expand(None, s, lora_B, scale, bias,
-                           out=torch.empty(M, weight.shape[0], device=x.device, dtype=x.dtype))
+                           out=torch.empty(M, weight.shape[0], device=x.device, dtype=x.dtype), mode=mode)
         y.addmm_(x, weight.t())
     else:
-        y, z = lora_expand(x @ weight.t(), s, lora_B, scale, bias, act, store_z=store_z)
+        y, z = lora_expand(x @ weight.t(), s, lora_B, scale, bias, act, store_z=store_z, mode=mode)
     return y, s, z
 
 
-def _backward(dy, x, weight, lora_A, lora_B, s, seed, z, scale, dropout_p, act, gemm, needs):
+def _backward(dy, x, weight, lora_A, lora_B, s, seed, z, scale, dropout_p, act, gemm, mode, needs):
     """(dx, dW, dbias, dA, dB) in fp32 or x's dtype, None where `needs` (x, weight, bias, lora_A, lora_B) says no."""
     # dy: [M, N], x: [M, K], weight: [N, K], lora_A: [r, K], lora_B: [N, r], s: [M, r] fp32, z: [M, N] or None
     need_x, need_w, need_bias, need_a, need_b = needs
-    g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, scale, act, need_bias)
+    dx_in_epilogue = need_x and gemm == "triton" and dropout_p == 0.0  # ds A in the dx GEMM's epilogue
+    # else the masked dx term is written by the pass over x (which gives dA), cuBLAS's g W added into it
+    with_dx = need_x and not dx_in_epilogue
+    to_zero = []  # dA's atomic sums, zeroed in the launch that zeroes the pass over dy's
+    da_part = shrink_backward_partials(x, lora_A, dropout_p, with_dx, mode, to_zero) if need_a or with_dx else None
+    g, ds, dB, dbias = lora_expand_backward(dy.contiguous(), z, s, lora_B, scale, act, need_bias, mode=mode,
+                                            zero_also=to_zero)
     dx = dA = None
-    if need_x and gemm == "triton" and dropout_p == 0.0:  # ds A in the dx GEMM's epilogue
-        dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0)
-    elif need_x:  # the masked dx term written by the pass over x, cuBLAS's g W added into it
+    if dx_in_epilogue:
+        dx, _ = lora_matmul(g, weight, ds, lora_A, 1.0, mode=mode)
+    elif need_x:
         dx = torch.empty_like(x)
-        dA = lora_shrink_backward(ds, x, lora_A, dropout_p, seed, dx_out=dx)
+    if da_part is not None:
+        dA = lora_shrink_backward(ds, x, lora_A, dropout_p, seed, dx_out=dx if with_dx else None, mode=mode,
+                                  da_part=da_part)
+    if with_dx:
         dx.addmm_(g, weight)
-    if need_a and dA is None:
-        dA = lora_shrink_backward(ds, x, lora_A, dropout_p, seed)
     dW = g.t() @ x if need_w else None
     return dx, dW, dbias, dA if need_a else None, dB if need_b else None
 
 
 class _LoraLinear(torch.autograd.Function):
-    """The eager route: launches straight from the Function (the custom ops below cost more host time a call)."""
+    """The eager route: launches straight from the Function (the custom ops below cost more host time a call). It
+    takes x and gives y with their leading dimensions, so that no view nodes stand around it in the graph."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
-        y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm,
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, mode):
+        # x: [..., K] -> [..., N]; gemm: the caller's back-end (None: LORAFUSE_GEMM), routed here
+        x2 = _rows(x)
+        route = _route(gemm, x2, lora_A, decoding=False, mode=mode)
+        y, s, z = _fused_forward(x2, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, route, mode,
                                  store_z=act != 0 and any(ctx.needs_input_grad[:5]))
         ctx.save_for_backward(x, weight, bias, lora_A, lora_B, s, seed, z)
-        ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm = scale, dropout_p, act, gemm
-        return y
+        ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm, ctx.mode = scale, dropout_p, act, route, mode
+        # detached: a view made here would be an output that refuses in-place changes
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1]).detach()
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, lora_A, lora_B, s, seed, z = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that autograd can differentiate again
             return differentiable_backward(_reference_of_apply, (x, weight, bias, lora_A, lora_B, ctx.scale,
-                                                                 ctx.dropout_p, seed, ctx.act, ctx.gemm), dy)
-        grads = _backward(dy, x, weight, lora_A, lora_B, s, seed, z, ctx.scale, ctx.dropout_p, ctx.act, ctx.gemm,
-                          ctx.needs_input_grad[:5])
-        return (*_in_dtypes_of(grads, (x, weight, bias, lora_A, lora_B)), None, None, None, None, None)
+                                                                 ctx.dropout_p, seed, ctx.act, ctx.gemm, ctx.mode), dy)
+        dx, *grads = _backward(dy.reshape(-1, dy.shape[-1]), _rows(x), weight, lora_A, lora_B, s, seed, z, ctx.scale,
+                               ctx.dropout_p, ctx.act, ctx.gemm, ctx.mode, ctx.needs_input_grad[:5])
+        grads = (None if dx is None else dx.view(x.shape), *grads)
+        return (*_in_dtypes_of(grads, (x, weight, bias, lora_A, lora_B)), None, None, None, None, None, None)
 
 
 def _in_dtypes_of(grads, inputs):
-    # each gradient in its input's dtype (None stays None)
-    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, inputs))
+    # each gradient in its input's dtype (None stays None; one already in it is not handed to .to, a call's cost)
+    return tuple(g if g is None or g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
 # The same computation as custom ops, which torch.compile traces through: the forward returns s (and z) for the
@@ -141,12 +155,13 @@ def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     lora_B: torch.Tensor, scale: float, dropout_p: float, seed: torch.Tensor | None, act: int,
                     gemm: str, training: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # x: [M, K] -> y [M, N], s [M, r] fp32 (training; else [0]), z [M, N] (training with an activation; else [0])
-    gemm = gemm or None
+    gemm, mode = gemm or None, adapter_math()
     if not training:
-        y = _inference(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm)
+        y = _inference(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, mode)
         return y, x.new_empty(0), x.new_empty(0)
-    route = _route(gemm, x, lora_A, decoding=False)
-    y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, route, store_z=act != 0)
+    route = _route(gemm, x, lora_A, decoding=False, mode=mode)
+    y, s, z = _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, route, mode,
+                             store_z=act != 0)
     return y, s, x.new_empty(0) if z is None else z
 
 
@@ -166,9 +181,10 @@ def _lora_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
                              z: torch.Tensor, scale: float, dropout_p: float, act: int, gemm: str,
                              needs: list[bool]) -> list[torch.Tensor]:
     # -> [dx, dW, dbias, dA, dB], each contiguous in its input's dtype (as the fake says), [0] where not needed
-    route = _route(gemm or None, x, lora_A, decoding=False)
+    mode = adapter_math()
+    route = _route(gemm or None, x, lora_A, decoding=False, mode=mode)
     grads = _backward(dy, x, weight, lora_A, lora_B, s, seed, z if act != 0 else None, scale, dropout_p, act, route,
-                      needs)
+                      mode, needs)
     inputs = (x, weight, bias, lora_A, lora_B)
     return [x.new_empty(0) if g is None else g.contiguous() for g in _in_dtypes_of(grads, inputs)]
 
@@ -196,7 +212,14 @@ def _lora_linear_op_backward(ctx, dy, _ds, _dz):
 _lora_linear_op.register_autograd(_lora_linear_op_backward, setup_context=_lora_linear_setup_context)
 
 
-def _reference_of_apply(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
+def _rows(x):
+    """x as rows with unit column stride: a view where it can be."""
+    # x: [..., K] -> [M, K]
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _reference_of_apply(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, mode):
     # _LoraLinear.apply's arguments -> lora_linear_reference's output (the same mask from the same seed)
     return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p, ACTIVATIONS[act], seed)
 
@@ -222,17 +245,18 @@ def _check_inputs(x, weight, bias, lora_A, lora_B, seed):
                         "other, or run under torch.autocast")
 
 
-def _kernel_unsupported(x, weight, lora_A):
-    """Why the kernels cannot take these inputs, or None."""
-    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+def _kernel_unsupported(x, weight, lora_A, mode):
+    """Why the kernels cannot take these inputs, or None (mode: the adapter math, _tiles.lora_in_fp32's)."""
+    device_type = x.device.type
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "CPU tensors run the PyTorch reference (TRITON_INTERPRET=1 runs the Triton kernels on CPU)"
-    if x.device.type not in ("cuda", "cpu"):
-        return f"{x.device.type} tensors run the PyTorch reference"
+    if device_type not in ("cuda", "cpu"):
+        return f"{device_type} tensors run the PyTorch reference"
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"{x.dtype} inputs run the PyTorch reference (kernels take float32, float16, bfloat16)"
     if lora_A.shape[0] > 128:
         return f"rank {lora_A.shape[0]} > 128 runs the PyTorch reference"
-    if lora_A.shape[0] > 64 and lora_in_fp32(x.dtype, lora_A.dtype):
+    if lora_A.shape[0] > 64 and lora_in_fp32(x.dtype, lora_A.dtype, mode):
         # fp32 rank tiles of 128 overflow shared memory in the backward (seen on an H200)
         return f"rank {lora_A.shape[0]} > 64 with float32 adapter math runs the PyTorch reference"
     if x.numel() == 0:
@@ -246,19 +270,20 @@ def _launch_bound(x):
     return x.is_cuda and x.shape[0] <= DECODE_MAX_ROWS and not torch.cuda.is_current_stream_capturing()
 
 
-def _inference(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm):
-    """The forward without an autograd node: y [M, N]."""
+def _inference(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, gemm, mode):
+    """The forward without an autograd node: y [M, N] (mode: the adapter math, _tiles.lora_in_fp32's)."""
     # x: [M, K] (unit column stride)
     decoding = x.shape[0] <= DECODE_MAX_ROWS and dropout_p == 0.0
     # the reference computes in the operands' dtypes: one dtype for bias and x, one for the adapters
     launch_bound = (decoding and _launch_bound(x) and (bias is None or bias.dtype == x.dtype)
                     and lora_A.dtype == lora_B.dtype)
-    route = _route(gemm, x, lora_A, decoding, launch_bound)
+    route = _route(gemm, x, lora_A, decoding, launch_bound, mode)
     if route == "torch":
         return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, 0.0, ACTIVATIONS[act])
     if route == "decode":
         return lora_decode(x, weight, bias, lora_A, lora_B, scale, act)
-    return _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, route, store_z=False)[0]
+    return _fused_forward(x, weight, bias, lora_A, lora_B, scale, dropout_p, seed, act, route, mode,
+                          store_z=False)[0]
 
 
 def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activation="identity", seed=None, gemm=None):
@@ -267,7 +292,7 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
     Under torch.compile it is the custom op lorafuse::lora_linear (no graph break)."""
     # x: [..., K], weight: [N, K], bias: [N] or None, lora_A: [r, K], lora_B: [N, r]
     act = activation_id(activation)
-    adapter_math()  # a bad LORAFUSE_ADAPTER_MATH raises whichever route the call takes
+    mode = adapter_math()  # read once a call (a bad LORAFUSE_ADAPTER_MATH raises whichever route the call takes)
     if dropout_p > 0.0 and seed is None:
         seed = new_seed(x.device)
     elif isinstance(seed, int):
@@ -282,22 +307,18 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scale, dropout_p=0.0, activatio
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight, lora_A, lora_B = x.to(dtype), weight.to(dtype), lora_A.to(dtype), lora_B.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
-    reason = _kernel_unsupported(x, weight, lora_A) or functorch_reason(x, weight, bias, lora_A, lora_B)
+    reason = _kernel_unsupported(x, weight, lora_A, mode) or functorch_reason(x, weight, bias, lora_A, lora_B)
     if reason is not None:
         log_once_traceable(f"lorafuse.lora_linear: {reason}")
         return lora_linear_reference(x, weight, bias, lora_A, lora_B, scale, dropout_p, activation, seed)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                               for t in (x2, weight, bias, lora_A, lora_B))
-    args = (x2, weight, bias, lora_A, lora_B, float(scale), float(dropout_p), seed, act)
+                                               for t in (x, weight, bias, lora_A, lora_B))
+    tensors, scalars = (weight, bias, lora_A, lora_B), (float(scale), float(dropout_p), seed, act)
     with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
         if torch.compiler.is_compiling():
-            y = _lora_linear_op(*args, gemm or "", training)[0]
+            y = _lora_linear_op(_rows(x), *tensors, *scalars, gemm or "", training)[0]
         elif training:
-            y = _LoraLinear.apply(*args, _route(gemm, x2, lora_A, decoding=False))
+            return _LoraLinear.apply(x, *tensors, *scalars, gemm, mode)
         else:
-            y = _inference(*args, gemm)
-    return y.view(*shape[:-1], weight.shape[0])
+            y = _inference(_rows(x), *tensors, *scalars, gemm, mode)
+    return y.view(*x.shape[:-1], weight.shape[0])

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import split_bf16, uses_bf16_pieces
-from ._tiles import dot_precision, lora_in_fp32, lora_precision, padded_rank
+from ._tiles import adapter_math, cdiv, dot_precision, lora_in_fp32, lora_precision, padded_rank
 from .activation import activate
 from .dropout import PHILOX_ROUNDS, keep_tile
 
@@ -148,25 +148,27 @@ def _config(M, N, K, dtype):
 
 
 def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, threshold=0, drop_scale=1.0,
-                shrink_weight=None, mask_input=False, store_z=False, config=None):
+                shrink_weight=None, mask_input=False, store_z=False, config=None, mode=None):
     """C = act(a @ b + scale * (low @ right) + bias); returns (C, Z or None).
 
     a: [M, K], b: [K, N] (views with any strides: pass W.t() for x @ W^T), right: [r, N] view,
     low: [M, r] fp32 (read; or written when shrink_weight [r, K] fuses the shrink into the K-loop,
     with the dropout mask of (seed, threshold, drop_scale) on a when mask_input).
-    config: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) overrides the table (benchmarks).
+    config: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) overrides the table (benchmarks); mode: the
+    adapter math (_tiles.lora_in_fp32's).
     """
     M, K = a.shape
     N = b.shape[1]
     r = right.shape[0]
-    fp32 = lora_in_fp32(a.dtype, right.dtype)
-    on_pieces = uses_bf16_pieces(a.dtype, right.dtype)
+    mode = mode or adapter_math()
+    fp32 = lora_in_fp32(a.dtype, right.dtype, mode)
+    on_pieces = uses_bf16_pieces(a.dtype, right.dtype, mode)
     sw = shrink_weight
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     # The pre-activation for act'(z) in backward: fp32 when the adapter path is fp32, as in PEFT.
     z = torch.empty(M, N, device=a.device, dtype=torch.float32 if fp32 else a.dtype) if store_z else None
     block_m, block_n, block_k, group_m, warps, stages = config or _config(M, N, K, a.dtype)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    grid = (cdiv(M, block_m) * cdiv(N, block_n),)
     _lora_matmul[grid](
         a, b, c, z, low, right, sw, bias, seed, M, N, K, r, scale, threshold, drop_scale,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), right.stride(0), right.stride(1),
@@ -174,6 +176,6 @@ def lora_matmul(a, b, low, right, scale, bias=None, activation_id=0, seed=None, 
         ACT=activation_id, HAS_BIAS=bias is not None, FUSE_SHRINK=sw is not None, MASK_INPUT=mask_input,
         STORE_Z=store_z, EVEN_K=K % block_k == 0, LORA_FP32=fp32, ON_PIECES=on_pieces, R=padded_rank(r),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, ROUNDS=PHILOX_ROUNDS,
-        PRECISION=dot_precision(a.dtype), LORA_PRECISION=lora_precision(a.dtype, right.dtype),
+        PRECISION=dot_precision(a.dtype), LORA_PRECISION=lora_precision(a.dtype, right.dtype, mode),
         num_warps=warps, num_stages=stages)
     return c, z

@@ -7,13 +7,15 @@ writes dx_lora = keep * (ds @ A) * keep_scale, the adapter's share of dx, in the
 (used when the dx GEMM runs on cuBLAS and adds into that buffer).
 float32 adapters on bf16 activations run as three bf16 dots on pieces of A and ds (_bf16_pieces.py).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ._bf16_pieces import dot_pieces, split_bf16, uses_bf16_pieces
-from ._tiles import (lora_in_fp32, lora_precision, padded_rank, partial_sums, sm_count, split_in_blocks,
-                     store_partial, summed)
+from ._tiles import (PLANS, LaunchPlan, adapter_math, atomic_partial_sums, cdiv, lora_in_fp32, lora_precision,
+                     padded_rank, partial_sums, sm_count, split_in_blocks, store_partial, summed)
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
 
 
@@ -138,70 +140,105 @@ def _shrink_config(M, math, masked, sms):
     return (32, 128, 4, 4, sms) if M > 16 else (16, 128, 4, 3, sms)
 
 
-def _math(x_dtype, a_dtype):
-    if uses_bf16_pieces(x_dtype, a_dtype):
+def _math(x_dtype, a_dtype, mode):
+    if uses_bf16_pieces(x_dtype, a_dtype, mode):
         return "pieces"
-    return "tf32x3" if lora_in_fp32(x_dtype, a_dtype) else "16-bit"
+    return "tf32x3" if lora_in_fp32(x_dtype, a_dtype, mode) else "16-bit"
 
 
-def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None):
-    """s = dropout(x) @ A^T in fp32. x: [M, K] with unit column stride, A: [r, K].
-    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks)."""
-    M, K = x.shape
-    r = A.shape[0]
-    fp32 = lora_in_fp32(x.dtype, A.dtype)
-    on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
+@functools.lru_cache(maxsize=PLANS)
+def _forward_plan(M, K, r, x_dtype, a_dtype, dropout_p, device, deterministic, mode, config):
+    """lora_shrink's launch but its tensors (a LaunchPlan; scalars: cols_per_split, splits, threshold, drop_scale)."""
     block_m, block_k, warps, stages, programs = config or _shrink_config(
-        M, _math(x.dtype, A.dtype), dropout_p > 0.0, sm_count(x.device))
+        M, _math(x_dtype, a_dtype, mode), dropout_p > 0.0, sm_count(device))
     # Fewer row blocks than programs (small batches, the mask's two programs per SM) split K: partial sums, added
     # with atomics (two parts: the same float in either order) or, in a fixed order, by each row block's last program
     # (SERIAL_SUM).
-    row_blocks = triton.cdiv(M, block_m)
+    row_blocks = cdiv(M, block_m)
     cols_per_split, splits = split_in_blocks(K, block_k, programs // row_blocks)
-    s, atomic = partial_sums(splits, (M, r), x.device, fixed_order=True)
-    serial = splits > 1 and not atomic
-    out = torch.empty(M, r, device=x.device, dtype=torch.float32) if serial else s
-    counts = torch.zeros(row_blocks, device=x.device, dtype=torch.int32) if serial else s  # s: an unread placeholder
+    atomic = atomic_partial_sums(splits, deterministic, fixed_order=True)
     threshold, drop_scale = dropout_args(dropout_p)
-    _shrink_fwd[(row_blocks, splits)](
-        x, A.contiguous(), s, seed, counts, out, M, K, r, x.stride(0), cols_per_split, splits, threshold,
-        drop_scale, HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=fp32, ON_PIECES=on_pieces, ATOMIC=atomic,
-        SERIAL_SUM=serial, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
-        PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)
-    return out if serial else summed(s, atomic)
+    return LaunchPlan((row_blocks, splits), (cols_per_split, splits, threshold, drop_scale), dict(
+        HAS_DROPOUT=dropout_p > 0.0, LORA_FP32=lora_in_fp32(x_dtype, a_dtype, mode),
+        ON_PIECES=uses_bf16_pieces(x_dtype, a_dtype, mode), ATOMIC=atomic, SERIAL_SUM=splits > 1 and not atomic,
+        R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
+        PRECISION=lora_precision(x_dtype, a_dtype, mode), num_warps=warps, num_stages=stages))
 
 
-def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None):
-    """dA = ds^T @ dropout(x) -> [r, K] fp32. With dx_out ([M, K]), also writes the adapter's dx.
-    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks)."""
-    # ds: [M, r] fp32, x: [M, K], A: [r, K]
+def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, mode=None):
+    """s = dropout(x) @ A^T in fp32. x: [M, K] with unit column stride, A: [r, K].
+    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
+    adapter math (_tiles.lora_in_fp32's)."""
     M, K = x.shape
     r = A.shape[0]
-    fp32 = lora_in_fp32(x.dtype, A.dtype)
-    on_pieces = uses_bf16_pieces(x.dtype, A.dtype)
+    plan = _forward_plan(M, K, r, x.dtype, A.dtype, dropout_p, x.device, torch.are_deterministic_algorithms_enabled(),
+                         mode or adapter_math(), config)
+    (row_blocks, splits), constants = plan.grid, plan.constants
+    atomic, serial = constants["ATOMIC"], constants["SERIAL_SUM"]
+    s = partial_sums(splits, (M, r), x.device, atomic)
+    out = torch.empty(M, r, device=x.device, dtype=torch.float32) if serial else s
+    counts = torch.zeros(row_blocks, device=x.device, dtype=torch.int32) if serial else s  # s: an unread placeholder
+    _shrink_fwd[plan.grid](x, A.contiguous(), s, seed, counts, out, M, K, r, x.stride(0), *plan.scalars, **constants)
+    return out if serial else summed(s, splits, atomic)
+
+
+@functools.lru_cache(maxsize=PLANS)
+def _backward_plan(M, K, r, x_dtype, a_dtype, dropout_p, with_dx, device, deterministic, mode, config):
+    """lora_shrink_backward's launch but its tensors (a LaunchPlan; scalars: rows_per_split, threshold, drop_scale)."""
     # Swept on an H200 (NOTES_lora_layer.md, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
     # bf16 adapters): dA alone and dx with the mask want 32 x 128 / 16 x 256 blocks, dx without the mask on pieces
     # 64 x 128. Float32 adapters, dropout and dx: 46 / 82 / 141 / 236 us (the kernel before, as ds^T x and with the
     # extra row split below: 55 / 94 / - / 312).
-    programs = 4 * sm_count(x.device)
+    programs = 4 * sm_count(device)
     if M <= 32:
         default = (16, 64, 4, 3, programs)
-    elif dx_out is None:
+    elif not with_dx:
         default = (32, 128, 4, 3, programs)
     elif dropout_p > 0.0:
         default = (16, 256, 4, 3, programs)
     else:
-        default = (64 if _math(x.dtype, A.dtype) == "pieces" else 32, 128, 4, 3, programs)
+        default = (64 if _math(x_dtype, a_dtype, mode) == "pieces" else 32, 128, 4, 3, programs)
     block_m, block_k, warps, stages, programs = config or default
-    k_blocks = triton.cdiv(K, block_k)
+    k_blocks = cdiv(K, block_k)
     # At most `programs`: one more row split than fits in a wave left a second, nearly empty wave (x of
     # 8192 x 14336 with dropout and dx on an H200: 1120 programs 313 us, 1008 programs 234 us).
-    rows_per_split, splits = split_in_blocks(M, block_m, min(triton.cdiv(M, 256), max(1, programs // k_blocks)))
-    da_part, atomic = partial_sums(splits, (r, K), x.device)
+    rows_per_split, splits = split_in_blocks(M, block_m, min(cdiv(M, 256), max(1, programs // k_blocks)))
     threshold, drop_scale = dropout_args(dropout_p)
-    _shrink_bwd[(k_blocks, splits)](
-        x, ds, A.contiguous(), dx_out, da_part, seed, M, K, r, x.stride(0), rows_per_split, threshold, drop_scale,
-        HAS_DROPOUT=dropout_p > 0.0, STORE_DX=dx_out is not None, LORA_FP32=fp32, ON_PIECES=on_pieces,
-        ATOMIC=atomic, R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
-        PRECISION=lora_precision(x.dtype, A.dtype), num_warps=warps, num_stages=stages)
-    return summed(da_part, atomic)
+    return LaunchPlan((k_blocks, splits), (rows_per_split, threshold, drop_scale), dict(
+        HAS_DROPOUT=dropout_p > 0.0, STORE_DX=with_dx, LORA_FP32=lora_in_fp32(x_dtype, a_dtype, mode),
+        ON_PIECES=uses_bf16_pieces(x_dtype, a_dtype, mode), ATOMIC=atomic_partial_sums(splits, deterministic),
+        R=padded_rank(r), BLOCK_M=block_m, BLOCK_K=block_k, ROUNDS=PHILOX_ROUNDS,
+        PRECISION=lora_precision(x_dtype, a_dtype, mode), num_warps=warps, num_stages=stages))
+
+
+def _backward_plan_of(x, A, dropout_p, with_dx, config, mode):
+    # x: [M, K], A: [r, K] -> the plan of this call's settings (mode None: LORAFUSE_ADAPTER_MATH)
+    M, K = x.shape
+    return _backward_plan(M, K, A.shape[0], x.dtype, A.dtype, dropout_p, with_dx, x.device,
+                          torch.are_deterministic_algorithms_enabled(), mode or adapter_math(), config)
+
+
+def shrink_backward_partials(x, A, dropout_p, with_dx, mode, to_zero):
+    """dA's partial-sum buffer for lora_shrink_backward(..., da_part=) of the same arguments (with_dx: dx_out is
+    given), made ahead so that a caller zeroes it with other buffers in one launch: joins `to_zero` when the launch
+    adds into it (_tiles.partial_sums)."""
+    # x: [M, K], A: [r, K] -> [r, K] fp32 (or [splits, r, K] for summed)
+    plan = _backward_plan_of(x, A, dropout_p, with_dx, None, mode)
+    return partial_sums(plan.grid[1], (A.shape[0], x.shape[1]), x.device, plan.constants["ATOMIC"], to_zero)
+
+
+def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None, mode=None, da_part=None):
+    """dA = ds^T @ dropout(x) -> [r, K] fp32. With dx_out ([M, K]), also writes the adapter's dx.
+    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
+    adapter math (_tiles.lora_in_fp32's); da_part: shrink_backward_partials' buffer, zeroed by the caller where it
+    joined to_zero (None: made here)."""
+    # ds: [M, r] fp32, x: [M, K], A: [r, K]
+    M, K = x.shape
+    r = A.shape[0]
+    plan = _backward_plan_of(x, A, dropout_p, dx_out is not None, config, mode)
+    atomic = plan.constants["ATOMIC"]
+    if da_part is None:
+        da_part = partial_sums(plan.grid[1], (r, K), x.device, atomic)
+    _shrink_bwd[plan.grid](x, ds, A.contiguous(), dx_out, da_part, seed, M, K, r, x.stride(0), *plan.scalars,
+                           **plan.constants)
+    return summed(da_part, plan.grid[1], atomic)

@@ -180,7 +180,7 @@ def test_backward_adds_dB_and_ds_with_atomics_unless_deterministic(deterministic
     # torch.use_deterministic_algorithms(True), where they write partials that a reduction sums in a fixed order.
     # Both give the exact gradient.
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
-    assert atomic_partial_sums(5) is not deterministic and not atomic_partial_sums(1)
+    assert atomic_partial_sums(5, deterministic) is not deterministic and not atomic_partial_sums(1, deterministic)
     launched = []
     kernel = lora_expand_module._expand_bwd
 

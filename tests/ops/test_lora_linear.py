@@ -329,3 +329,91 @@ def test_eager_calls_on_few_rows_take_pytorch_launches(monkeypatch):
     x = inputs["x"].requires_grad_()
     lora_linear(x, *args[1:], SCALE).sum().backward()
     assert calls == [(7, 100)]
+
+
+PLAN_FLAGS = ("LORA_FP32", "ON_PIECES", "ATOMIC", "ATOMIC_DS", "ATOMIC_DB")
+
+
+def spy_launches(monkeypatch):
+    """[(kernel name, its PLAN_FLAGS)] of every launch of the shrink's two kernels and of the expand's backward."""
+    launched = []
+    for module_name, name in (("lora_shrink", "_shrink_fwd"), ("lora_shrink", "_shrink_bwd"),
+                              ("lora_expand", "_expand_bwd")):
+        module = importlib.import_module(f"lorafuse.ops.{module_name}")
+        kernel = getattr(module, name)
+
+        class Spy:  # records the launch's flags, then launches the kernel
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                return lambda *args, **kwargs: (launched.append((name, {k: kwargs[k] for k in PLAN_FLAGS
+                                                                        if k in kwargs}))
+                                                or kernel[grid](*args, **kwargs))
+
+        monkeypatch.setattr(module, name, Spy())
+    return launched
+
+
+def test_launch_plans_follow_dtypes_and_settings(monkeypatch):
+    # The launchers decide a launch once per shapes, dtypes and settings (a cache): the same shapes called again with
+    # LORAFUSE_ADAPTER_MATH=fast, under deterministic algorithms or with bfloat16 adapters launch as those decide
+    launched = spy_launches(monkeypatch)
+    x_shape, n = (300, 48), 600  # two column splits of dy, two row splits of x: atomic sums
+
+    def flags(adapter_dtype):
+        launched.clear()
+        inputs = cast(random_inputs(x_shape, n, 8), torch.bfloat16, keep=("lora_A", "lora_B"))
+        inputs = cast(inputs, adapter_dtype, keep=("x", "weight", "bias"))
+        run(lora_linear, inputs, torch.randn(300, n).bfloat16(), ALL_GRADS, gemm="cublas", dropout_p=0.1)
+        assert [name for name, _ in launched] == ["_shrink_fwd", "_expand_bwd", "_shrink_bwd"]
+        return {name: tuple(values.values()) for name, values in launched}
+
+    exact = {"_shrink_fwd": (True, True, False), "_expand_bwd": (True, True, True, True),
+             "_shrink_bwd": (True, True, True)}
+    assert flags(torch.float32) == exact
+    monkeypatch.setenv("LORAFUSE_ADAPTER_MATH", "fast")
+    assert flags(torch.float32) == {"_shrink_fwd": (False, False, False), "_expand_bwd": (False, False, True, True),
+                                    "_shrink_bwd": (False, False, True)}
+    monkeypatch.delenv("LORAFUSE_ADAPTER_MATH")
+    assert flags(torch.float32) == exact
+    assert flags(torch.bfloat16) == {"_shrink_fwd": (False, False, False), "_expand_bwd": (False, False, True, True),
+                                     "_shrink_bwd": (False, False, True)}
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert flags(torch.float32) == {"_shrink_fwd": (True, True, False), "_expand_bwd": (True, True, False, False),
+                                    "_shrink_bwd": (True, True, False)}
+
+
+def test_backward_zeroes_its_sums_in_one_launch(monkeypatch):
+    # The atomic sums of the backward's two passes (ds and dB over dy, dA over x) are zeroed by one launch, not a
+    # torch.zeros each; a buffer left out would hold the NaN of the tests' poisoned empties
+    zeroed, filled = [], []
+    foreach_zero, zeros = torch._foreach_zero_, torch.zeros
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda ts: zeroed.append([tuple(t.shape) for t in ts])
+                        or foreach_zero(ts))
+    x_shape, n = (300, 48), 600  # two column splits of dy, two row splits of x, one split of K in the forward
+    inputs = random_inputs(x_shape, n, 8)
+    grad_out = torch.randn(300, n)
+    kwargs = {"dropout_p": 0.1, "seed": seed_tensor(BIG_SEED)}
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: filled.append(a) or zeros(*a, **k))
+    got = run(lora_linear, inputs, grad_out, ALL_GRADS, gemm="cublas", **kwargs)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert zeroed == [[(8, 48), (300, 8), (8, 600)]] and not filled  # dA, ds, dB^T
+    exact = run(lora_linear_reference, cast(inputs, torch.float64), grad_out.double(), ALL_GRADS, **kwargs)
+    assert_all_close(got, exact, torch.float32)
+
+
+@pytest.mark.parametrize("x_shape", [(2, 7, 48), (48,)], ids=["3d", "1d"])
+def test_output_of_any_leading_shape_takes_in_place_changes(x_shape):
+    # The autograd Function takes x and gives y with their leading dimensions (no view nodes around it); its output
+    # is no view of the kernels' [M, N] buffer, which autograd would keep from changing in place
+    inputs = random_inputs(x_shape, 36, 8)
+    grad_out = torch.randn(*x_shape[:-1], 36)
+
+    def doubled(**tensors):
+        return lora_linear(**tensors, scale=SCALE, dropout_p=0.1, seed=seed_tensor(BIG_SEED)).mul_(2.0)
+
+    def reference(**tensors):
+        return 2.0 * lora_linear_reference(**tensors, scale=SCALE, dropout_p=0.1, seed=seed_tensor(BIG_SEED))
+
+    got = forward_backward(doubled, inputs, grad_out, ALL_GRADS)
+    assert got["out"].shape == (*x_shape[:-1], 36) and got["x"].shape == x_shape
+    exact = forward_backward(reference, cast(inputs, torch.float64), grad_out.double(), ALL_GRADS)
+    assert_all_close(got, exact, torch.float32)
