@@ -2,7 +2,7 @@
 
 `get_peft_model` and `from_pretrained` are PEFT's own functions followed by `fuse`; `fuse` swaps the
 LoRA layers' class (lora.py), switches the transformers model to attn_implementation="lorafuse"
-(attention.py), runs its Llama-style RMSNorms and SwiGLU MLPs on lorafuse's kernels (model_kernels.py) and its
+(attention.py), runs its Llama-style RMSNorms, SwiGLU MLPs and RoPE on lorafuse's kernels (model_kernels.py) and its
 training loss without full logits (causal_lm_loss.py); `unfuse` undoes all four. Target specs, saving, loading and
 merging stay PEFT's.
 """
@@ -36,7 +36,7 @@ def get_peft_model(model: nn.Module, peft_config: peft.PeftConfig, adapter_name:
                    attention: bool = True, model_kernels: bool = True, loss_kernels: bool = True,
                    **kwargs) -> PeftModel:
     """`peft.get_peft_model(model, peft_config, adapter_name, **kwargs)`, then `fuse`: fused LoRA layers and, with
-    `attention`, lorafuse attention, with `model_kernels`, RMSNorm and SwiGLU on lorafuse's kernels, with
+    `attention`, lorafuse attention, with `model_kernels`, RMSNorm, SwiGLU and RoPE on lorafuse's kernels, with
     `loss_kernels`, the training loss without full logits. Target specs (names, regex, "all-linear", exclude_modules,
     rank/alpha patterns) are PEFT's."""
     with _naming_targets(model):
@@ -55,9 +55,10 @@ def from_pretrained(model: nn.Module, adapter: str | os.PathLike, **kwargs) -> P
 def fuse(model: nn.Module, attention: bool = True, model_kernels: bool = True, loss_kernels: bool = True
          ) -> nn.Module:
     """Run `model`'s (a PeftModel's) LoRA layers fused, with `attention` its attention on lorafuse's kernel, with
-    `model_kernels` its Llama-style RMSNorms and SwiGLU MLPs (Llama, Mistral, Qwen2, Qwen3) on lorafuse's kernels,
-    and with `loss_kernels` the same families' training loss computed without their logits (a training forward
-    with labels then returns logits=None); in place, returns `model`. Reversible with `unfuse`."""
+    `model_kernels` its Llama-style RMSNorms and SwiGLU MLPs (Llama, Mistral, Qwen2, Qwen3) and Llama attention's RoPE
+    on lorafuse's kernels, and with `loss_kernels` the Llama-style causal LMs' training loss computed without their
+    logits (a training forward with labels then returns logits=None); in place, returns `model`. Reversible with
+    `unfuse`."""
     fuse_layers(model)
     if attention:
         _use_lorafuse_attention(model)
@@ -70,9 +71,9 @@ def fuse(model: nn.Module, attention: bool = True, model_kernels: bool = True, l
 
 def unfuse(model: nn.Module) -> nn.Module:
     """Give `model` back PEFT's LoRA classes, the attention implementation it had before `fuse` and transformers'
-    RMSNorm, MLP and causal-LM forwards; returns `model`."""
+    RMSNorm, MLP, attention and causal-LM forwards; returns `model`."""
     unfuse_layers(model)
-    drop_model_kernels(model)  # every KernelForward: the norms', the MLPs' and the loss's
+    drop_model_kernels(model)  # every KernelForward: the norms', the MLPs', the attentions' and the loss's
     base = _transformers_model(model)
     before = getattr(base, _ATTENTION_BEFORE, None)  # None also without a transformers model
     if before is not None:
