@@ -17,12 +17,11 @@ from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
 from .._logging import log_once
 from ..ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
-from .model_kernels import KernelForward
+from .model_kernels import KernelForward, code_keys
 
 
 def causal_lm_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
-                   num_items_in_batch=None, ignore_index: int = IGNORE_INDEX, shift_labels=None,
-                   softcap: float | None = None, **_) -> torch.Tensor:
+                   num_items_in_batch=None, ignore_index: int = IGNORE_INDEX, shift_labels=None, **_) -> torch.Tensor:
     """transformers' ForCausalLMLoss of the logits hidden @ head_weight^T, without them: the token losses' sum over
     num_items_in_batch, or their mean over the labelled tokens when it is None."""
     # hidden: [B, T, H], head_weight: [V, H], labels: [B, T] (or shift_labels: [B, T], already shifted) -> [] fp32
@@ -31,20 +30,13 @@ def causal_lm_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torc
     shift_labels = shift_labels.reshape(-1).to(hidden.device)
     divisor = (shift_labels != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head_weight, shift_labels, divisor,
-                                ignore_index, softcap)
-
-
-def _code_key(function) -> tuple:
-    # the code under transformers' decorators; a leading docstring (its example names the model) left out
-    code = inspect.unwrap(function).__code__
-    consts = code.co_consts[1:] if code.co_consts and isinstance(code.co_consts[0], str) else code.co_consts
-    return code.co_code, code.co_names, consts
+                                ignore_index)
 
 
 def _computes_as_llama_causal_lm(module: nn.Module) -> bool:
     forward = getattr(type(module), "forward", None)
     return (isinstance(getattr(module, "lm_head", None), nn.Module) and forward is not None
-            and _code_key(forward) == _code_key(LlamaForCausalLM.forward))
+            and code_keys(forward) == code_keys(LlamaForCausalLM.forward))
 
 
 def _unfused_reason(module: nn.Module, args: tuple, kwargs: dict) -> str | None:
@@ -69,6 +61,7 @@ def _unfused_reason(module: nn.Module, args: tuple, kwargs: dict) -> str | None:
 
 
 def _fused_loss_forward(module: nn.Module, *args, **kwargs):
+    # kwargs: transformers' CausalLM forward's (input_ids [B, T] or inputs_embeds [B, T, H], labels [B, T], ...)
     reason = _unfused_reason(module, args, kwargs)
     if reason is not None:
         if reason:

@@ -34,13 +34,17 @@ CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")
 _CACHE = next(name for name in CACHE_KEYWORDS if name in inspect.signature(LlamaAttention.forward).parameters)
 
 
-def _code_keys(fn) -> tuple:
-    # the bytecode, names and constants of fn and of each function it wraps (functools.wraps' __wrapped__:
-    # transformers' deprecate_kwarg decorates LlamaAttention.forward)
+def code_keys(fn) -> tuple:
+    """The bytecode, names and constants of fn and of each function it wraps (functools.wraps' __wrapped__:
+    transformers' decorators wrap forwards), a leading docstring left out (a model's example names the model)."""
     keys = []
     while fn is not None:
         code = getattr(fn, "__code__", None)
-        keys.append(None if code is None else (code.co_code, code.co_names, code.co_consts))
+        if code is None:
+            keys.append(None)
+        else:
+            consts = code.co_consts
+            keys.append((code.co_code, code.co_names, consts[1:] if consts and isinstance(consts[0], str) else consts))
         fn = getattr(fn, "__wrapped__", None)
     return tuple(keys)
 
@@ -52,7 +56,7 @@ def _runs_code_of(module: nn.Module, reference, kernel_forward=None) -> bool:
     if own is not None and not (isinstance(own, KernelForward) and kernel_forward is not None
                                 and own.fn is kernel_forward):
         return False
-    return _code_keys(getattr(type(module), "forward", None)) == _code_keys(reference.forward)
+    return code_keys(getattr(type(module), "forward", None)) == code_keys(reference.forward)
 
 
 def _rms_norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -133,7 +137,7 @@ def _is_llama_attention(module: nn.Module) -> bool:
     if not _runs_code_of(module, LlamaAttention):
         return False
     names = inspect.unwrap(type(module).forward).__globals__
-    return all(_code_keys(names.get(name)) == _code_keys(getattr(modeling_llama, name)) for name in ATTENTION_HELPERS)
+    return all(code_keys(names.get(name)) == code_keys(getattr(modeling_llama, name)) for name in ATTENTION_HELPERS)
 
 
 def computes_as_llama_rms_norm(module: nn.Module) -> bool:

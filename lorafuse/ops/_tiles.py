@@ -39,8 +39,8 @@ def sm_count(device: torch.device) -> int:
 
 
 def cdiv(n: int, block: int) -> int:
-    """ceil(n / block) for launchers' host code: triton.cdiv is a constexpr function, whose wrapper costs
-    microseconds of host time a call."""
+    """ceil(n / block) for launchers' host code: triton.cdiv is a constexpr function, whose wrapper is costly to call
+    from the host."""
     return -(-n // block)
 
 

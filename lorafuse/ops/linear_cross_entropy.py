@@ -7,7 +7,9 @@ about ten passes over them. Here the rows go through the head in chunks. Per chu
 reused buffer, one kernel reads each row twice (its log-sum-exp in float32, then the gradient of the row's loss
 written over its logits, already divided by the count), and cuBLAS turns that gradient into the chunk's dh (and dW
 when the head trains). The gradients are thus made in the forward, rounded where transformers' are; the backward
-multiplies them by the loss's incoming gradient (1 for loss.backward(): exact).
+multiplies them by the loss's incoming gradient (1 for loss.backward(): exact). In float16 the count is applied in
+the backward instead, with that gradient: a gradient scaler's factor arrives only there, and logit gradients divided
+by the count first would underflow float16 before it could lift them.
 """
 import torch
 import triton
@@ -35,10 +37,10 @@ def linear_cross_entropy_reference(hidden, weight, labels, divisor=None, ignore_
 
 @triton.jit
 def _cross_entropy_rows(z_ptr, labels_ptr, losses_ptr, scale_ptr, V, stride_z, ignore_index, softcap,
-                        BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr):
-    # z: [rows, V] logits (row stride stride_z), labels: [rows], losses: [rows] fp32, scale: [1] fp32; a program per
-    # row. With WRITE_GRAD, the row's d(scale * loss)/dz (scale * (softmax - one-hot), 0 for an ignored row) is
-    # written over its logits.
+                        BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALED: tl.constexpr):
+    # z: [rows, V] logits (row stride stride_z), labels: [rows], losses: [rows] fp32, scale: [1] fp32 (read when
+    # SCALED); a program per row. With WRITE_GRAD, the row's d(scale * loss)/dz (scale * (softmax - one-hot), scale 1
+    # unless SCALED, 0 for an ignored row) is written over its logits.
     row = tl.program_id(0)
     z_row = z_ptr + row.to(tl.int64) * stride_z
     label = tl.load(labels_ptr + row)
@@ -60,7 +62,7 @@ def _cross_entropy_rows(z_ptr, labels_ptr, losses_ptr, scale_ptr, V, stride_z, i
         z_label = softcap * (2 * tl.sigmoid(2 * z_label / softcap) - 1)
     tl.store(losses_ptr + row, tl.where(ignored, 0.0, lse - z_label))
     if WRITE_GRAD:
-        keep = tl.where(ignored, 0.0, tl.load(scale_ptr))
+        keep = tl.where(ignored, 0.0, tl.load(scale_ptr) if SCALED else 1.0)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             z = tl.load(z_row + cols, mask=cols < V, other=0.0).to(tl.float32)
@@ -80,12 +82,13 @@ def chunk_rows(rows: int, vocab: int) -> int:
 
 
 def _launch_rows(z, labels, losses, scale, ignore_index, softcap, write_grad):
-    # z: [rows, V], labels: [rows], losses: [rows] fp32, scale: [1] fp32
+    # z: [rows, V], labels: [rows], losses: [rows] fp32, scale: [1] fp32 or None (gradients unscaled)
     rows, vocab = z.shape
     block = min(BLOCK_V, triton.next_power_of_2(vocab))
-    _cross_entropy_rows[(rows,)](z, labels, losses, scale, vocab, z.stride(0), ignore_index,
-                                 1.0 if softcap is None else float(softcap), BLOCK_V=block,
-                                 SOFTCAP=softcap is not None, WRITE_GRAD=write_grad, num_warps=8 if block >= 2048 else 4)
+    _cross_entropy_rows[(rows,)](z, labels, losses, losses if scale is None else scale, vocab, z.stride(0),
+                                 ignore_index, 1.0 if softcap is None else float(softcap), BLOCK_V=block,
+                                 SOFTCAP=softcap is not None, WRITE_GRAD=write_grad, SCALED=scale is not None,
+                                 num_warps=8 if block >= 2048 else 4)
 
 
 def _scale(divisor, device) -> torch.Tensor:
@@ -96,9 +99,14 @@ def _scale(divisor, device) -> torch.Tensor:
     return torch.reciprocal(torch.as_tensor(divisor, device=device, dtype=torch.float32).reshape(1))
 
 
+def _scaled_in_kernel(dtype: torch.dtype) -> bool:
+    """Whether the kernel divides the gradients by the count (the module docstring: all but float16)."""
+    return dtype != torch.float16
+
+
 def _forward(hidden, weight, labels, scale, ignore_index, softcap, need_dh: bool, need_dw: bool):
-    # hidden: [N, H], weight: [V, H], labels: [N], scale: [1] fp32 -> losses [N] fp32 (unscaled), dh [N, H] or None,
-    # dw [V, H] fp32 or None: the gradients of scale * losses.sum()
+    # hidden: [N, H], weight: [V, H], labels: [N], scale: [1] fp32 or None -> losses [N] fp32 (unscaled), dh [N, H]
+    # or None, dw [V, H] fp32 or None: the gradients of scale * losses.sum() (of losses.sum() for scale None)
     rows, vocab = hidden.shape[0], weight.shape[0]
     losses = torch.empty(rows, device=hidden.device, dtype=torch.float32)
     dh = torch.empty_like(hidden) if need_dh else None
@@ -125,8 +133,6 @@ def _unsupported_reason(hidden, weight, labels) -> str | None:
     if hidden.dtype != weight.dtype or hidden.dtype not in FUSED_DTYPES:
         return (f"hidden states in {hidden.dtype} and head weight in {weight.dtype} run the PyTorch reference "
                 "(fused: both float32, float16 or bfloat16)")
-    if torch.is_autocast_enabled(hidden.device.type):
-        return "autocast runs the PyTorch reference"
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1] or labels.dtype != torch.int64:
         return (f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)} "
                 f"{labels.dtype} run the PyTorch reference (fused: [N, H], [V, H], int64 [N])")
@@ -136,9 +142,12 @@ def _unsupported_reason(hidden, weight, labels) -> str | None:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, ignore_index, softcap):
-        losses, dh, dw = _forward(hidden, weight, labels, scale, ignore_index, softcap, *ctx.needs_input_grad[:2])
+        # hidden: [N, H], weight: [V, H], labels: [N], scale: [1] fp32 -> []
+        in_kernel = _scaled_in_kernel(hidden.dtype)
+        losses, dh, dw = _forward(hidden, weight, labels, scale if in_kernel else None, ignore_index, softcap,
+                                  *ctx.needs_input_grad[:2])
         ctx.save_for_backward(hidden, weight, labels, scale, dh, dw)
-        ctx.ignore_index, ctx.softcap = ignore_index, softcap
+        ctx.ignore_index, ctx.softcap, ctx.in_kernel = ignore_index, softcap, in_kernel
         return losses.sum() * scale[0]
 
     @staticmethod
@@ -148,7 +157,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return differentiable_backward(linear_cross_entropy_reference,
                                            (hidden, weight, labels, 1 / scale[0], ctx.ignore_index, ctx.softcap),
                                            grad)[:2] + (None,) * 4
-        return (None if dh is None else dh * grad, None if dw is None else (dw * grad).to(weight.dtype),
+        factor = grad if ctx.in_kernel else grad * scale[0]
+        return (None if dh is None else dh * factor, None if dw is None else (dw * factor).to(weight.dtype),
                 None, None, None, None)
 
 
@@ -160,8 +170,9 @@ def _linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, labels:
                              ignore_index: int, softcap: float, need_dh: bool, need_dw: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # -> loss [] fp32, dh [N, H] (empty without need_dh), dw [V, H] fp32 (empty without need_dw)
-    losses, dh, dw = _forward(hidden.contiguous(), weight.contiguous(), labels.contiguous(), scale, ignore_index,
-                              softcap or None, need_dh, need_dw)
+    in_kernel = _scaled_in_kernel(hidden.dtype)
+    losses, dh, dw = _forward(hidden.contiguous(), weight.contiguous(), labels.contiguous(),
+                              scale if in_kernel else None, ignore_index, softcap or None, need_dh, need_dw)
     return (losses.sum() * scale[0], hidden.new_empty(0) if dh is None else dh,
             weight.new_empty(0, dtype=torch.float32) if dw is None else dw)
 
@@ -173,14 +184,15 @@ def _linear_cross_entropy_fake(hidden, weight, labels, scale, ignore_index, soft
 
 
 def _linear_cross_entropy_setup_context(ctx, inputs, output):
-    ctx.weight_dtype = inputs[1].dtype
-    ctx.save_for_backward(output[1], output[2])
+    ctx.weight_dtype, ctx.in_kernel = inputs[1].dtype, _scaled_in_kernel(inputs[0].dtype)
+    ctx.save_for_backward(inputs[3], output[1], output[2])
 
 
 def _linear_cross_entropy_op_backward(ctx, grad, _ddh, _ddw):
-    dh, dw = ctx.saved_tensors
-    return (dh * grad if ctx.needs_input_grad[0] else None,
-            (dw * grad).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None, None, None, None, None, None)
+    scale, dh, dw = ctx.saved_tensors
+    factor = grad if ctx.in_kernel else grad * scale[0]
+    return (dh * factor if ctx.needs_input_grad[0] else None,
+            (dw * factor).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None, None, None, None, None, None, None)
 
 
 _linear_cross_entropy_op.register_autograd(_linear_cross_entropy_op_backward,
@@ -195,6 +207,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     [0, V): they are not checked (that would cost a host sync). Inputs the kernel does not take run the reference,
     the reason logged once. Under torch.compile, the custom op lorafuse::linear_cross_entropy."""
     # hidden: [N, H], weight: [V, H], labels: [N] int64 -> []
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the head's matmul in autocast's dtype, as autocast would run it
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return linear_cross_entropy(hidden.to(dtype), weight.to(dtype), labels, divisor, ignore_index, softcap)
     reason = functorch_reason(hidden, weight) or _unsupported_reason(hidden, weight, labels)
     if reason is not None:
         log_once_traceable(f"lorafuse.linear_cross_entropy: {reason}")
@@ -208,5 +225,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if need_dh or need_dw:
         return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), labels.contiguous(), scale,
                                          ignore_index, softcap)
-    return _forward(hidden.contiguous(), weight.contiguous(), labels.contiguous(), scale, ignore_index, softcap,
+    return _forward(hidden.contiguous(), weight.contiguous(), labels.contiguous(), None, ignore_index, softcap,
                     False, False)[0].sum() * scale[0]

@@ -183,7 +183,7 @@ def _backward_plan(M, N, r, dtype, b_dtype, activation_id, need_dbias, device, d
 
 def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, config=None, mode=None, zero_also=()):
     """One pass over dy: returns (g, ds, dB, dbias); g is dy when the activation is the identity.
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
+    config: a tuple (BLOCK_M, BLOCK_N, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
     adapter math (_tiles.lora_in_fp32's); zero_also: a caller's other float32 buffers, zeroed in the same launch as
     this pass's atomic sums."""
     # dy: [M, N] contiguous, z: [M, N] or None, s: [M, r] fp32, B: [N, r]

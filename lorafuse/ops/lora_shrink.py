@@ -127,12 +127,9 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
 def _shrink_config(M, math, masked, sms):
     # (BLOCK_M, BLOCK_K, num_warps, num_stages, programs): enough programs in flight to stream x. math: "16-bit",
     # "pieces" (float32 A as bf16 pieces) or "tf32x3". Few row blocks split K to reach `programs`.
-    # Swept on an H200 (bench_lora_layer.py --breakdown): 28 us for x of 8192 x 4096 bf16. With tf32x3 wider tiles win
-    # at training sizes: x of 8192 x 8192 with dropout 178 -> 143 us, 8192 x 2048 50 -> 44 us (Llama-1B shapes); they
-    # lose with 16-bit adapter math (20 -> 29 us). Re-swept at 8192 rows (NOTES_lora_layer.md, x of 8192 x 2048 /
-    # 4096 / 14336, float32 adapters on pieces; bf16 adapters alike): 5 stages of 64 x 128 without the mask, two
-    # programs per SM with it (its arithmetic wants more warps in flight). The configs before: 20 / 34 / 75 us without
-    # the mask, 25 / 44 / 123 with it; these: 20 / 31 / 75 and 26 / 38 / 100.
+    # Chosen by sweeping bench_lora_layer.py --breakdown at training sizes (NOTES_lora_layer.md): with tf32x3 wider
+    # tiles stream x faster, with 16-bit adapter math they lose; at 4096 rows and more, 5 stages of 64 x 128 without the
+    # dropout mask, two programs per SM with it (its arithmetic wants more warps in flight).
     if M >= 4096 and math == "tf32x3":
         return (128, 128, 8, 3, sms)
     if M >= 4096:
@@ -167,7 +164,7 @@ def _forward_plan(M, K, r, x_dtype, a_dtype, dropout_p, device, deterministic, m
 
 def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, mode=None):
     """s = dropout(x) @ A^T in fp32. x: [M, K] with unit column stride, A: [r, K].
-    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
+    config: a tuple (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
     adapter math (_tiles.lora_in_fp32's)."""
     M, K = x.shape
     r = A.shape[0]
@@ -229,7 +226,7 @@ def shrink_backward_partials(x, A, dropout_p, with_dx, mode, to_zero):
 
 def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config=None, mode=None, da_part=None):
     """dA = ds^T @ dropout(x) -> [r, K] fp32. With dx_out ([M, K]), also writes the adapter's dx.
-    config: (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
+    config: a tuple (BLOCK_M, BLOCK_K, num_warps, num_stages, programs) overrides the default (benchmarks); mode: the
     adapter math (_tiles.lora_in_fp32's); da_part: shrink_backward_partials' buffer, zeroed by the caller where it
     joined to_zero (None: made here)."""
     # ds: [M, r] fp32, x: [M, K], A: [r, K]

@@ -144,6 +144,7 @@ def _out_dtype(q, cos):
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
+        # q: [B, Hq, T, D], k: [B, Hk, T, D], cos, sin: [B | 1, T, D] -> q, k rotated
         ctx.save_for_backward(cos, sin)
         ctx.dtype = q.dtype
         return _launch(q, k, cos, sin, _out_dtype(q, cos), backward=False)

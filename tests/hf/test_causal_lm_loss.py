@@ -11,7 +11,7 @@ import lorafuse
 from lorafuse.hf.causal_lm_loss import LossForward
 from lorafuse.train.trainer import accepts_loss_kwargs
 from tests.hf.families import VOCAB, batch, lora_config, tiny_model
-from tests.lora_check import assert_fp32_close
+from tests.lora_check import assert_fp32_close, relative_error
 
 LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -44,6 +44,23 @@ def test_loss_and_grads_equal_transformers_loss(family):
     assert loss_kernel_forwards(fused) == 1 and loss_kernel_forwards(full) == 0
     assert_fp32_close(loss_and_grads(fused, **inputs), loss_and_grads(full, **inputs))
     assert fused.train()(**inputs).logits is None
+
+
+def test_autocast_runs_the_fused_loss(monkeypatch, fallback_log):
+    # accelerate's mixed precision (the recipe's, HF Trainer's bf16=True) wraps the forward in autocast: the fused loss
+    # runs there too, in autocast's dtype, with the same loss and gradients up to bfloat16 rounding
+    from lorafuse.ops import linear_cross_entropy as lce_module
+    launches = []
+    real = lce_module._launch_rows
+    monkeypatch.setattr(lce_module, "_launch_rows", lambda *args: launches.append(1) or real(*args))
+    fused, full = fused_and_full("llama")
+    inputs = batch("llama")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = loss_and_grads(fused, **inputs), loss_and_grads(full, **inputs)
+    assert launches and not [r for r in fallback_log.records if "linear_cross_entropy" in r.getMessage()]
+    for name in want:
+        error = relative_error(got[name], want[name])
+        assert error < 2e-2, f"{name}: relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("how", ["num_items_in_batch", "shift_labels"])

@@ -50,7 +50,7 @@ def test_a_llama_forward_with_another_rotation_is_left_and_a_shared_one_taken():
     # of part of the head; Gemma's shares Llama's forward and helpers
     config = dict(DECODER, num_hidden_layers=1)
     glm, gemma = GlmAttention(GlmConfig(**config), layer_idx=0), GemmaAttention(GemmaConfig(**config), layer_idx=0)
-    assert model_kernels._code_keys(GlmAttention.forward) == model_kernels._code_keys(LlamaAttention.forward)
+    assert model_kernels.code_keys(GlmAttention.forward) == model_kernels.code_keys(LlamaAttention.forward)
     assert model_kernels.llama_attentions(glm) == [] and model_kernels.llama_attentions(gemma) == [gemma]
 
 

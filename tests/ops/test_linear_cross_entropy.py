@@ -55,6 +55,34 @@ def test_incoming_gradient_scales_the_gradients():
     assert_all_close(got, exact, torch.float32)
 
 
+def test_float16_gradients_survive_a_gradient_scaler(small_chunks):
+    # GradScaler's factor arrives in the backward; logit gradients divided by the count first would underflow float16
+    small_chunks(16, 4096)
+    inputs = head_inputs(40, 16, 4096, ignored=[3])
+    need, divisor, scaler = ("hidden", "weight"), torch.tensor(8192), 65536.0
+    got = run(linear_cross_entropy, inputs, torch.float16, need, divisor=divisor, grad_out=scaler)
+    exact = run(linear_cross_entropy_reference, inputs, torch.float64, need, divisor=divisor, grad_out=scaler)
+    assert_all_close(got, exact, torch.float16,
+                     run(linear_cross_entropy_reference, inputs, torch.float16, need, divisor=divisor, grad_out=scaler))
+
+
+def test_autocast_runs_the_kernel_in_autocast_dtype(small_chunks, monkeypatch):
+    # float32 weights under autocast (accelerate's mixed precision): the head in bfloat16, as autocast runs it
+    small_chunks(8, 300)
+    launches = []
+    real = lce_module._launch_rows
+    monkeypatch.setattr(lce_module, "_launch_rows", lambda *args: launches.append(1) or real(*args))
+    inputs = head_inputs(21, 16, 300, ignored=[5])
+    need, divisor = ("hidden", "weight"), torch.tensor(20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run(linear_cross_entropy, inputs, torch.float32, need, divisor=divisor)
+        plain = run(linear_cross_entropy_reference, inputs, torch.float32, need, divisor=divisor)
+    assert launches and got["hidden"].dtype == torch.float32
+    exact = run(linear_cross_entropy_reference, cast(cast(inputs, torch.bfloat16), torch.float64), torch.float64,
+                need, divisor=divisor)
+    assert_all_close(got, exact, torch.bfloat16, plain)
+
+
 def test_hidden_gradient_alone_matches_the_reference(small_chunks):
     # a frozen head (LoRA training): no dW is made
     small_chunks(8, 203)
