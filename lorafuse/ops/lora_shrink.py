@@ -127,7 +127,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
 def _shrink_config(M, math, masked, sms):
     # (BLOCK_M, BLOCK_K, num_warps, num_stages, programs): enough programs in flight to stream x. math: "16-bit",
     # "pieces" (float32 A as bf16 pieces) or "tf32x3". Few row blocks split K to reach `programs`.
-    # Chosen by sweeping bench_lora_layer.py --breakdown at training sizes (NOTES_lora_layer.md): with tf32x3 wider
+    # Chosen by sweeping bench_lora_layer.py --breakdown at training sizes: with tf32x3 wider
     # tiles stream x faster, with 16-bit adapter math they lose; at 4096 rows and more, 5 stages of 64 x 128 without the
     # dropout mask, two programs per SM with it (its arithmetic wants more warps in flight).
     if M >= 4096 and math == "tf32x3":
