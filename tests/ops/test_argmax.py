@@ -1,12 +1,10 @@
 """argmax_rows against torch.argmax: exactly the same index, on rows of one and of several chunks, ties inside a chunk
 and across chunks, NaN, infinities, strided rows; inputs the kernels do not take run torch.argmax, said once."""
-import logging
 import math
 
 import pytest
 import torch
 
-from lorafuse import _logging
 from lorafuse.ops.argmax import BLOCK, argmax_reference, argmax_rows
 from tests.ops._helpers import DTYPES, dtype_id
 
@@ -61,15 +59,8 @@ def test_strided_rows():
     check(wide[:, :BLOCK + 50])
 
 
-@pytest.fixture
-def fresh_log_once(monkeypatch, caplog):
-    monkeypatch.setattr(_logging, "_said", set())
-    caplog.set_level(logging.WARNING, logger="lorafuse")
-    return caplog
-
-
 @pytest.mark.parametrize("case", ["column_stride", "three_dims", "int_dtype", "empty"])
-def test_other_inputs_run_torch_argmax(case, fresh_log_once):
+def test_other_inputs_run_torch_argmax(case, fallback_log):
     x = {"column_stride": lambda: torch.randn(50, 3).t(), "three_dims": lambda: torch.randn(2, 3, 50),
          "int_dtype": lambda: torch.randint(0, 9, (2, 50)), "empty": lambda: torch.randn(2, 0)}[case]()
     if case == "empty":
@@ -77,10 +68,10 @@ def test_other_inputs_run_torch_argmax(case, fresh_log_once):
             argmax_rows(x)
     else:
         assert torch.equal(argmax_rows(x), x.argmax(-1))
-    said = [r.getMessage() for r in fresh_log_once.records if "argmax_rows" in r.getMessage()]
+    said = [r.getMessage() for r in fallback_log.records if "argmax_rows" in r.getMessage()]
     assert len(said) == 1 and "torch.argmax" in said[0], said
 
 
-def test_kernel_path_does_not_log(fresh_log_once):
+def test_kernel_path_does_not_log(fallback_log):
     check(torch.randn(2, 300))
-    assert not [r for r in fresh_log_once.records if r.name == "lorafuse"]
+    assert not [r for r in fallback_log.records if r.name == "lorafuse"]

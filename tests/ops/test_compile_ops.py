@@ -2,7 +2,6 @@
 torch.library.opcheck (schema, fake shapes and strides, autograd registration, AOT dispatch), and torch.compile with
 fullgraph=True (no graph break) through them giving eager's outputs and gradients, the ops in its forward and
 backward graphs. Eager calls keep the direct route; fallbacks and torch.func transforms stay traceable."""
-import logging
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.func import grad, vmap
 
-from lorafuse import _logging
 from lorafuse.ops import flash_attention as attention_module
 from lorafuse.ops import rms_norm as rms_norm_module
 from lorafuse.ops import rope as rope_module
@@ -200,15 +198,8 @@ def test_compiled_decode_step_takes_the_split_kv_kernel(monkeypatch):
     assert_equal_results([compiled], [eager])
 
 
-@pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    monkeypatch.setattr(_logging, "_said", set())
-    caplog.set_level(logging.INFO, logger="lorafuse")
-    return caplog
-
-
 @pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "flash_attention", "rope"])
-def test_compiled_fallback_runs_the_reference_and_says_why(op, fresh_log):
+def test_compiled_fallback_runs_the_reference_and_says_why(op, fallback_log):
     # float64: the kernels decline; the reason is said while Dynamo traces, without a graph break
     if op == "rms_norm":
         fn, reference, inputs = (lambda x, w: rms_norm(x, w, EPS), lambda x, w: rms_norm_reference(x, w, EPS),
@@ -227,11 +218,11 @@ def test_compiled_fallback_runs_the_reference_and_says_why(op, fresh_log):
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     for _ in range(2):
         torch.testing.assert_close(compiled(*inputs), reference(*inputs))
-    said = [record.getMessage() for record in fresh_log.records]
+    said = [record.getMessage() for record in fallback_log.records]
     assert len(said) == 1 and "float64" in said[0], said
 
 
-def test_compiled_torch_func_transforms_run_the_references(fresh_log):
+def test_compiled_torch_func_transforms_run_the_references(fallback_log):
     # per-sample gradients (vmap over grad): the custom ops have no torch.func rules, the references run
     weight, xs = torch.rand(24) + 0.5, torch.randn(4, 24)
 
@@ -244,7 +235,7 @@ def test_compiled_torch_func_transforms_run_the_references(fresh_log):
     torch._dynamo.reset()
     got = torch.compile(lambda: per_sample_grads(rms_norm), backend="aot_eager", fullgraph=True)()
     torch.testing.assert_close(got, want)
-    assert "torch.func transform" in fresh_log.text
+    assert "torch.func transform" in fallback_log.text
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "flash_attention", "rope"])

@@ -6,7 +6,6 @@ DESIGN.md's rule: fp32 relative error < 1e-5; bf16 / fp16 at most 2x the error o
 attention in that dtype (scaled_dot_product_attention with the same boolean mask, and the
 gradients of its backward). Padding in q, k, v is filled with NaN: it must reach nothing.
 """
-import logging
 import math
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lorafuse import _logging
 from lorafuse.ops import flash_attention as attention_module
 from lorafuse.ops.attention_windows import (windows_from_padding_mask, windows_from_position_ids,
                                             with_sliding_window)
@@ -454,20 +452,13 @@ def test_descriptors_share_a_layout_not_a_tensor():
         attention_module._descriptor(misaligned, 16, 32)
 
 
-@pytest.fixture
-def fresh_log_once(monkeypatch, caplog):
-    monkeypatch.setattr(_logging, "_said", set())
-    caplog.set_level(logging.WARNING, logger="lorafuse")
-    return caplog
-
-
 def fallback_messages(caplog, words):
     return [r.getMessage() for r in caplog.records if r.name == "lorafuse" and words in r.getMessage()]
 
 
 @pytest.mark.parametrize("d, dtype", [(40, torch.float32), (40, torch.bfloat16), (8, torch.float32),
                                       (32, torch.float64)], ids=["d40-fp32", "d40-bf16", "d8-fp32", "d32-fp64"])
-def test_fallback(d, dtype, fresh_log_once):
+def test_fallback(d, dtype, fallback_log):
     # head dims the kernel does not cover, and float64: SDPA, still with padding (NaN), GQA and causal
     b, hq, hkv, n = 2, 4, 2, 19
     mask = left_right_mask(n, [19, 11], [True, False])
@@ -477,22 +468,22 @@ def test_fallback(d, dtype, fresh_log_once):
     with torch.no_grad():
         flash_attention(q, k, v, True, windows=windows)
     words = f"head dim {d}" if dtype != torch.float64 else "dtype torch.float64"
-    said = fallback_messages(fresh_log_once, words)
+    said = fallback_messages(fallback_log, words)
     assert len(said) == 1, f"the fallback must be logged once, got {said}"
     assert "SDPA" in said[0] or "scaled_dot_product_attention" in said[0]
 
 
-def test_kernel_path_does_not_log(fresh_log_once):
+def test_kernel_path_does_not_log(fallback_log):
     q, k, v = qkv(1, 2, 1, 5, 9, 32, torch.float32)
     flash_attention(q, k, v)
-    assert not [r for r in fresh_log_once.records if r.name == "lorafuse"]
+    assert not [r for r in fallback_log.records if r.name == "lorafuse"]
 
 
-def test_fallback_on_cpu_without_interpreter(monkeypatch, fresh_log_once):
+def test_fallback_on_cpu_without_interpreter(monkeypatch, fallback_log):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with torch.device("cpu"):  # CPU tensors in the suite's GPU mode too
         check(*qkv(1, 4, 2, 7, 33, 32, torch.float32), causal=True, check_reference=False)
-    said = fallback_messages(fresh_log_once, "not on a CUDA device")
+    said = fallback_messages(fallback_log, "not on a CUDA device")
     assert len(said) == 1, said
 
 
