@@ -2,8 +2,6 @@
 the precision of the rank-r products (LORAFUSE_ADAPTER_MATH) and launch plans."""
 import functools
 import os
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -15,13 +13,16 @@ CPU_STAND_IN_SMS = 132  # Triton's interpreter has no SMs: plan as on an H100/H2
 PLANS = 1024  # launch plans each launcher keeps (functools.lru_cache): far more than a run's shapes
 
 
-class LaunchPlan(NamedTuple):
+class LaunchPlan:
     """A launch as decided from shapes, dtypes and settings alone: the grid, the kernel's scalars after its tensors and
-    sizes, its constexprs and launch options (a dict every call shares: never modified). Launchers cache their plans
-    (functools.lru_cache of PLANS): the eager training step is bound by the host's time as much as by the GPU's."""
-    grid: tuple
-    scalars: tuple
-    constants: dict
+    sizes, its constexprs and launch options (a dict every call shares: never modified), and the compiled kernels that
+    _kernel_launch.launch found for it. Launchers cache their plans (functools.lru_cache of PLANS): the eager training
+    step is bound by the host's time as much as by the GPU's."""
+    __slots__ = ("grid", "scalars", "constants", "compiled")
+
+    def __init__(self, grid: tuple, scalars: tuple, constants: dict):
+        self.grid, self.scalars, self.constants = grid, scalars, constants
+        self.compiled = {}
 
 
 def kernels_run_on(device: torch.device) -> bool:

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import dot_pieces, split_bf16, uses_bf16_pieces
+from ._kernel_launch import launch
 from ._tiles import (PLANS, LaunchPlan, adapter_math, atomic_partial_sums, cdiv, lora_in_fp32, lora_precision,
                      padded_rank, partial_sums, sm_count, split_in_blocks, store_partial, summed, zero_all)
 from .activation import activate, activate_grad, activation_reference
@@ -149,8 +150,8 @@ def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z
         z = new(torch.float32) if fp32 else base if base is not None and base.is_contiguous() else new()
     in_place = base is not None and z is not base and base.is_contiguous()  # y over base: rows N apart
     y = out if out is not None else base if in_place else new()
-    _expand_fwd[plan.grid](y, base, s, B.contiguous(), bias, z, M, N, r, scale,
-                           N if base is None else base.stride(0), s.stride(0), **plan.constants)
+    launch(_expand_fwd, plan, y, base, s, B.contiguous(), bias, z, M, N, r, scale,
+           N if base is None else base.stride(0), s.stride(0))
     return y, z
 
 
@@ -198,8 +199,7 @@ def lora_expand_backward(dy, z, s, B, scale, activation_id=0, need_dbias=False, 
     db_part = partial_sums(row_blocks, (r, N), dy.device, atomic_db, to_zero)
     zero_all(to_zero)
     dbias_part = torch.empty(row_blocks, N, device=dy.device, dtype=torch.float32) if need_dbias else None
-    _expand_bwd[plan.grid](dy, z, s, B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale, *plan.scalars,
-                           **constants)
+    launch(_expand_bwd, plan, dy, z, s, B.contiguous(), g, ds_part, db_part, dbias_part, M, N, r, scale, *plan.scalars)
     ds = summed(ds_part, splits, atomic_ds)
     db = summed(db_part, row_blocks, atomic_db).t()
     dbias = dbias_part.sum(0) if need_dbias else None

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ._bf16_pieces import dot_pieces, split_bf16, uses_bf16_pieces
+from ._kernel_launch import launch
 from ._tiles import (PLANS, LaunchPlan, adapter_math, atomic_partial_sums, cdiv, lora_in_fp32, lora_precision,
                      padded_rank, partial_sums, sm_count, split_in_blocks, store_partial, summed)
 from .dropout import PHILOX_ROUNDS, dropout_args, keep_mask_reference, keep_scale, keep_tile
@@ -175,7 +176,7 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, mode=None):
     s = partial_sums(splits, (M, r), x.device, atomic)
     out = torch.empty(M, r, device=x.device, dtype=torch.float32) if serial else s
     counts = torch.zeros(row_blocks, device=x.device, dtype=torch.int32) if serial else s  # s: an unread placeholder
-    _shrink_fwd[plan.grid](x, A.contiguous(), s, seed, counts, out, M, K, r, x.stride(0), *plan.scalars, **constants)
+    launch(_shrink_fwd, plan, x, A.contiguous(), s, seed, counts, out, M, K, r, x.stride(0), *plan.scalars)
     return out if serial else summed(s, splits, atomic)
 
 
@@ -236,6 +237,5 @@ def lora_shrink_backward(ds, x, A, dropout_p=0.0, seed=None, dx_out=None, config
     atomic = plan.constants["ATOMIC"]
     if da_part is None:
         da_part = partial_sums(plan.grid[1], (r, K), x.device, atomic)
-    _shrink_bwd[plan.grid](x, ds, A.contiguous(), dx_out, da_part, seed, M, K, r, x.stride(0), *plan.scalars,
-                           **plan.constants)
+    launch(_shrink_bwd, plan, x, ds, A.contiguous(), dx_out, da_part, seed, M, K, r, x.stride(0), *plan.scalars)
     return summed(da_part, plan.grid[1], atomic)

@@ -7,12 +7,15 @@ partial sums of dw). A decode step's norms move a few kilobytes each, so there t
 training the float32 copies are (a Llama-1B step: 33 norms over [8192, 2048]).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ._autograd import differentiable_backward, functorch_reason
-from ._tiles import kernels_run_on, sm_count
+from ._kernel_launch import launch
+from ._tiles import PLANS, LaunchPlan, kernels_run_on, sm_count
 from ._traceable_log import log_once_traceable
 
 MAX_WIDTH = 16384  # one row at a time, held in registers
@@ -93,26 +96,37 @@ def row_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
+@functools.lru_cache(maxsize=PLANS)
+def _forward_plan(M: int, D: int, store_rstd: bool) -> LaunchPlan:
+    block = triton.next_power_of_2(D)
+    return LaunchPlan((M,), (), dict(BLOCK_D=block, STORE_RSTD=store_rstd, num_warps=row_warps(block)))
+
+
 def _forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, store_rstd: bool):
     # x2: [M, D] -> y [M, D] (promoted dtype), rstd [M] fp32 (or None)
     M, D = x2.shape
     y = torch.empty(x2.shape, device=x2.device, dtype=torch.promote_types(weight.dtype, x2.dtype))
     rstd = torch.empty(M, device=x2.device, dtype=torch.float32) if store_rstd else None
-    block = triton.next_power_of_2(D)
-    _rms_norm_fwd[(M,)](x2, weight, y, rstd if store_rstd else y, D, x2.stride(0), eps, BLOCK_D=block,
-                        STORE_RSTD=store_rstd, num_warps=row_warps(block))
+    launch(_rms_norm_fwd, _forward_plan(M, D, store_rstd), x2, weight, y, rstd if store_rstd else y, D, x2.stride(0),
+           eps)
     return y, rstd
+
+
+@functools.lru_cache(maxsize=PLANS)
+def _backward_plan(M: int, D: int, need_dw: bool, device: torch.device) -> LaunchPlan:
+    # one program a row, or (need_dw) a few per SM, each summing its rows' share of dw
+    programs = min(M, sm_count(device) * BWD_PROGRAMS_PER_SM) if need_dw else M
+    block = triton.next_power_of_2(D)
+    return LaunchPlan((programs,), (), dict(BLOCK_D=block, HAS_DW=need_dw, num_warps=row_warps(block)))
 
 
 def _backward(x2, weight, rstd, dy2, need_dw: bool):
     # x2, dy2: [M, D], rstd: [M] -> dx [M, D] in x's dtype, dw [D] in weight's dtype (or None)
     M, D = x2.shape
-    programs = min(M, sm_count(x2.device) * BWD_PROGRAMS_PER_SM) if need_dw else M
+    plan = _backward_plan(M, D, need_dw, x2.device)
     dx = torch.empty(x2.shape, device=x2.device, dtype=x2.dtype)
-    dw_partial = torch.empty(programs, D, device=x2.device, dtype=torch.float32) if need_dw else dx
-    block = triton.next_power_of_2(D)
-    _rms_norm_bwd[(programs,)](x2, weight, rstd, dy2, dx, dw_partial, M, D, x2.stride(0), dy2.stride(0),
-                               BLOCK_D=block, HAS_DW=need_dw, num_warps=row_warps(block))
+    dw_partial = torch.empty(plan.grid[0], D, device=x2.device, dtype=torch.float32) if need_dw else dx
+    launch(_rms_norm_bwd, plan, x2, weight, rstd, dy2, dx, dw_partial, M, D, x2.stride(0), dy2.stride(0))
     return dx, dw_partial.sum(0).to(weight.dtype) if need_dw else None
 
 

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from ._autograd import functorch_reason
-from ._tiles import kernels_run_on
+from ._kernel_launch import launch
+from ._tiles import PLANS, LaunchPlan, cdiv, kernels_run_on
 from ._traceable_log import log_once_traceable
 
 TILE = 2048  # elements of one half-head tile (positions x heads x D/2): each program loads two per step
@@ -103,15 +104,17 @@ def _unsupported_reason(q, k, cos, sin) -> str | None:
     return None
 
 
-@functools.cache
-def _launch_constants(head_dim: int, n_q_heads: int, n_k_heads: int) -> dict:
+@functools.lru_cache(maxsize=PLANS)
+def _launch_plan(batch: int, n: int, head_dim: int, n_q_heads: int, n_k_heads: int, backward: bool) -> LaunchPlan:
     """The kernel's tile shape for a head dim and head counts: a tile of up to TILE elements per half of the heads,
-    as many heads as fit, then positions. Decided once per shape; every call shares the dict: never modify it."""
+    as many heads as fit, then positions; one program a block of positions of one sequence."""
     half_block = triton.next_power_of_2(head_dim // 2)
     heads = max(1, TILE // half_block)
     block_hq, block_hk = (min(triton.next_power_of_2(n), heads) for n in (n_q_heads, n_k_heads))
-    return dict(HALF=head_dim // 2, HALF_BLOCK=half_block, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-                BLOCK_T=max(1, TILE // (max(block_hq, block_hk) * half_block)), num_warps=4)
+    block_t = max(1, TILE // (max(block_hq, block_hk) * half_block))
+    return LaunchPlan((cdiv(n, block_t), batch), (), dict(
+        BACKWARD=backward, HALF=head_dim // 2, HALF_BLOCK=half_block, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        BLOCK_T=block_t, num_warps=4))
 
 
 def _outputs(x_q, x_k, dtype):
@@ -130,10 +133,9 @@ def _launch(x_q, x_k, cos, sin, dtype, backward: bool):
         cos, sin = cos.contiguous(), sin.contiguous()
     batch, n_q_heads, n, d = x_q.shape
     y_q, y_k = _outputs(x_q, x_k, dtype)
-    constants = _launch_constants(d, n_q_heads, x_k.shape[1])
-    _rope_kernel[(-(-n // constants["BLOCK_T"]), batch)](
-        x_q, x_k, cos, sin, y_q, y_k, n, n_q_heads, x_k.shape[1], *x_q.stride()[:3], *x_k.stride()[:3],
-        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), BACKWARD=backward, **constants)
+    launch(_rope_kernel, _launch_plan(batch, n, d, n_q_heads, x_k.shape[1], backward),
+           x_q, x_k, cos, sin, y_q, y_k, n, n_q_heads, x_k.shape[1], *x_q.stride()[:3], *x_k.stride()[:3],
+           cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1))
     return y_q, y_k
 
 

@@ -5,13 +5,16 @@ more activation-sized tensor per layer) and about five backward. Here one kernel
 silu(gate) from gate, which it reads anyway.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ._autograd import differentiable_backward, functorch_reason
-from ._tiles import kernels_run_on
+from ._kernel_launch import launch
+from ._tiles import PLANS, LaunchPlan, cdiv, kernels_run_on
 from ._traceable_log import log_once_traceable
 
 BLOCK = 2048  # elements per program: memory-bound, 16-byte vectors on every thread of 8 warps
@@ -62,21 +65,23 @@ def _unsupported_reason(gate: torch.Tensor, up: torch.Tensor) -> str | None:
     return None
 
 
-def _grid(n: int):
-    return (triton.cdiv(n, BLOCK),)
+@functools.lru_cache(maxsize=PLANS)
+def _plan(n: int) -> LaunchPlan:
+    # n elements, BLOCK a program, either way
+    return LaunchPlan((cdiv(n, BLOCK),), (), dict(BLOCK=BLOCK, num_warps=8))
 
 
 def _forward(gate, up):
     # gate, up: [...] contiguous -> y [...] contiguous
     y = torch.empty_like(gate)
-    _silu_mul_fwd[_grid(gate.numel())](gate, up, y, gate.numel(), BLOCK=BLOCK, num_warps=8)
+    launch(_silu_mul_fwd, _plan(gate.numel()), gate, up, y, gate.numel())
     return y
 
 
 def _backward(gate, up, dy):
     # gate, up: [...] contiguous, dy: [...] -> dgate, dup [...] contiguous
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    _silu_mul_bwd[_grid(gate.numel())](gate, up, dy.contiguous(), dgate, dup, gate.numel(), BLOCK=BLOCK, num_warps=8)
+    launch(_silu_mul_bwd, _plan(gate.numel()), gate, up, dy.contiguous(), dgate, dup, gate.numel())
     return dgate, dup
 
 
