@@ -39,8 +39,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import LogWatch, capture, environment, time_alternating, time_ms, write_rows  # noqa: E402
 
-from lorafuse.ops.attention_windows import allowed_keys, windows_from_padding_mask  # noqa: E402
-from lorafuse.ops.flash_attention import attention_reference, flash_attention  # noqa: E402
+from lorafuse.ops.attention.windows import allowed_keys, windows_from_padding_mask  # noqa: E402
+from lorafuse.ops.attention.flash_attention import attention_reference, flash_attention  # noqa: E402
 
 # correctness
 SEQ_PAIRS = [(1, 1), (7, 33), (113, 203), (128, 217), (1023, 1024), (2048, 2048)]  # (Nq, Nk)

@@ -36,8 +36,8 @@ from benchmarks.common import capture, environment, print_profile, time_alternat
 
 import lorafuse  # noqa: E402
 from lorafuse.ops import lora_linear_reference  # noqa: E402
-from lorafuse.ops.lora_linear import lora_linear  # noqa: E402
-from lorafuse.ops.lora_matmul import lora_matmul  # noqa: E402
+from lorafuse.ops.lora.linear import lora_linear  # noqa: E402
+from lorafuse.ops.lora.matmul import lora_matmul  # noqa: E402
 
 TRAIN_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
 TOKENS = 8192
@@ -109,7 +109,7 @@ def check_correctness():
             A, B = torch.randn(r, K, device="cuda") / K ** 0.5, torch.randn(N, r, device="cuda") * 0.1
 
             def infer(fn, dt, adt):
-                with torch.no_grad(), mock.patch("lorafuse.ops.lora_linear._launch_bound", lambda x: False):
+                with torch.no_grad(), mock.patch("lorafuse.ops.lora.linear._launch_bound", lambda x: False):
                     return fn(x.to(dt), w.to(dt), b, A.to(adt), B.to(adt), 0.5, 0.0, act)
 
             ref = infer(lora_linear_reference, torch.float64, torch.float64)
@@ -119,7 +119,7 @@ def check_correctness():
             if not (e <= bound):
                 failures.append(f"decode {act} {dtype}/{adapter_dtype} M={rows} y: {e:.2e} > {bound:.2e}")
     # One CUDA-graph capture of forward+backward replays what eager computed: bit for bit under deterministic
-    # algorithms; else within float32 rounding, as split sums add with atomics in no fixed order (_tiles.partial_sums).
+    # algorithms; else within float32 rounding, as split sums add with atomics in no fixed order (tiles.partial_sums).
     layer = lorafuse.LoraLinear(nn.Linear(1000, 1500).cuda().to(torch.bfloat16), r=16, lora_alpha=32)
     nn.init.normal_(layer.lora_B["default"].weight, std=0.02)
     x = torch.randn(512, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -186,7 +186,7 @@ def sweep_configs():
 def sweep_decode():
     """lora_decode launch configs at decode sizes (4 and 16 rows): GPU time per call replayed from a CUDA graph over
     layer copies whose weights rotate past the L2, against cuBLAS's GEMM alone (the base); bf16 and fp32 adapters."""
-    from lorafuse.ops.lora_decode import MAX_SPLITS, lora_decode
+    from lorafuse.ops.lora.decode import MAX_SPLITS, lora_decode
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("\ndecode sweep: us per call (ratio to the base GEMM); the default, then the best configs")
     for (k, n), m, adapter_dtype in ((shape, m, a) for shape in DECODE_SHAPES for m in (4, 16)
@@ -214,8 +214,8 @@ def sweep_decode():
 
 def breakdown():
     """Each kernel of the layer alone (ms), against the passes it is meant to cost."""
-    from lorafuse.ops.lora_expand import lora_expand, lora_expand_backward
-    from lorafuse.ops.lora_shrink import lora_shrink, lora_shrink_backward
+    from lorafuse.ops.lora.expand import lora_expand, lora_expand_backward
+    from lorafuse.ops.lora.shrink import lora_shrink, lora_shrink_backward
     print("\nbreakdown (ms); 'pass' = one read or write of the [M, N] / [M, K] tensor at 4.1 TB/s")
     for k, n in TRAIN_SHAPES:
         x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ from peft import LoraConfig
 from peft.tuners import lora
 from torch import nn
 
-from lorafuse.ops.dropout import keep_mask_reference, keep_scale
+from lorafuse.ops.lora.dropout import keep_mask_reference, keep_scale
 
 # (x shape, out features): row counts 1, 7, 113, 1023 (1023 as [3, 341] batch dims, with
 # small widths so the interpreter stays fast); widths that are not powers of two.

@@ -14,7 +14,7 @@ Two functions are registered under "lorafuse" (`register`, called when `lorafuse
   sdpa would get, so nothing is dropped.
 - `lorafuse_attention_forward` in AttentionInterface, with sdpa_attention_forward's signature and outputs.
   It turns the mask into `AttentionWindows` (per-query intervals of keys: padding, packed sequences, sliding
-  windows, and any dense mask whose rows and columns are intervals) and runs `lorafuse.ops.flash_attention`,
+  windows, and any dense mask whose rows and columns are intervals) and runs `lorafuse.ops.attention.flash_attention`,
   grouped-query heads in place. What the kernel cannot do (dropout, softcapping, attention sinks,
   output_attentions, dense masks that are not intervals or carry biases, non-contiguous padding) runs through
   transformers' sdpa_attention_forward - or the model's own eager attention where sdpa cannot do it either
@@ -37,10 +37,10 @@ from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from ..ops._traceable_log import log_once_traceable
-from ..ops.attention_windows import (AttentionWindows, allowed_keys, padding_mask_is_contiguous,
+from ..ops.common.traceable_log import log_once_traceable
+from ..ops.attention.windows import (AttentionWindows, allowed_keys, padding_mask_is_contiguous,
                                      windows_from_padding_mask, windows_from_position_ids, with_sliding_window)
-from ..ops.flash_attention import flash_attention
+from ..ops.attention.flash_attention import flash_attention
 
 NAME = "lorafuse"
 # A forward keyword (transformers hands a model's extra keywords to every attention call): AttentionWindows that

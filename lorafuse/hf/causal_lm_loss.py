@@ -1,4 +1,4 @@
-"""Causal-LM training losses on lorafuse.ops.linear_cross_entropy: in training, the head's logits are never held.
+"""Causal-LM training losses on lorafuse.ops.model.linear_cross_entropy: in training, the head's logits are never held.
 
 `use_loss_kernels` gives each transformers causal LM whose forward is transformers' own LlamaForCausalLM.forward
 (Mistral, Qwen2 and Qwen3 share its code; compared as bytecode, docstring aside) an instance forward. A training call
@@ -16,7 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
 from .._logging import log_once
-from ..ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
+from ..ops.model.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from .model_kernels import KernelForward, code_keys
 
 

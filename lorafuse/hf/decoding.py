@@ -12,7 +12,7 @@ from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel, StaticCache
 
 from .._logging import log_once
-from ..ops.decode_windows import one_query_windows
+from ..ops.attention.decode_windows import one_query_windows
 from . import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -20,10 +20,10 @@ scales the s columns of the adapter it picks (or none) by that adapter's scale a
 the kernels after the GEMMs), so rows of one batch run different adapters in the same captured step. With an adapter
 on o_proj (down_proj) the residual kernel spreads each row over programs and defers the norm: x leaves as h * w with
 partial sums of h^2, and the kernel after the next GEMM (5, or 2 of the next layer) scales its rows by rstd before
-adding the bias (ops/_lora_columns.py). Before the layers, one
+adding the bias (ops/decode/lora_columns.py). Before the layers, one
 launch builds the attention windows from the keep-mask (ops.decode_windows) and one gathers each row's cos and sin from
 a table of the model's rotary embedding. Captured, the kernels take programmatic dependent launch
-(ops/_dependent_launch.py). Prefill stays on transformers' forward; both write the same cache.
+(ops/common/dependent_launch.py). Prefill stays on transformers' forward; both write the same cache.
 
 The weights of each GEMM are stored one after another in one buffer (`StackedLinear`), and the modules' parameters
 re-pointed to views of it, so that PEFT, swap_adapter (which copies into lora_A and lora_B in place) and the user's
@@ -41,14 +41,14 @@ from transformers.models.mistral.modeling_mistral import MistralAttention, Mistr
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
-from ..ops._tiles import kernels_run_on
-from ..ops.decode_windows import one_query_windows
-from ..ops.flash_attention import HEAD_DIMS, flash_attention
-from ..ops.gemv import FEW_ROWS, gemv
-from ..ops.lora_add_rms_norm import lora_add_rms_norm
-from ..ops.lora_silu_mul import lora_silu_mul
-from ..ops.rms_norm import rms_norm
-from ..ops.rope_cache_write import rope_cache_write
+from ..ops.common.tiles import kernels_run_on
+from ..ops.attention.decode_windows import one_query_windows
+from ..ops.attention.flash_attention import HEAD_DIMS, flash_attention
+from ..ops.decode.gemv import FEW_ROWS, gemv
+from ..ops.decode.lora_add_rms_norm import lora_add_rms_norm
+from ..ops.decode.lora_silu_mul import lora_silu_mul
+from ..ops.model.rms_norm import rms_norm
+from ..ops.decode.rope_cache_write import rope_cache_write
 from .decoding import adapter_bank, cast_adapters, causal_lm, weights_captured
 from .lora import FusedLoraLinear
 from .model_kernels import KernelForward, computes_as_llama_rms_norm, computes_as_swiglu_mlp
@@ -367,7 +367,7 @@ class FusedLayer:
         self.intermediate = mlp.gate_proj.out_features
 
     def __call__(self, hidden, normed, row_norm, cos, sin, slot, windows, cache_layer, next_norm: nn.Module):
-        """Returns the deferred norm of `normed` on exit (see ops/_lora_columns.py), or None."""
+        """Returns the deferred norm of `normed` on exit (see ops/decode/lora_columns.py), or None."""
         # hidden, normed: [B, H], the residual stream and its input-normed copy, both updated in place (normed by
         # next_norm on exit); row_norm: normed's deferred norm on entry or None; cos, sin: [B, D]; slot: int64 [1];
         # cache_layer: its keys, values [B, Hkv, L, D]

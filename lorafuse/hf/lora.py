@@ -22,7 +22,7 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class FusedLoraLinear(lora.Linear):
-    """PEFT's LoRA Linear whose forward runs `lorafuse.ops.lora_linear` when it can."""
+    """PEFT's LoRA Linear whose forward runs `lorafuse.ops.lora.linear` when it can."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features], in x's dtype as PEFT returns it

@@ -20,9 +20,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, eager_attention_forward
 
-from ..ops.rms_norm import rms_norm
-from ..ops.rope import rope
-from ..ops.silu_mul import silu_mul
+from ..ops.model.rms_norm import rms_norm
+from ..ops.model.rope import rope
+from ..ops.model.silu_mul import silu_mul
 
 # What LlamaAttention.forward calls by name from its module: a model file with the same forward may define them
 # otherwise (GLM's and Helium's rotations are interleaved or partial)
@@ -171,7 +171,7 @@ def drop_model_kernels(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def rms_norms_on_kernel(norms: list[nn.Module]):
-    """Within: each of `norms` (from llama_rms_norms) runs lorafuse.ops.rms_norm. Given transformers' forward back
+    """Within: each of `norms` (from llama_rms_norms) runs lorafuse.ops.model.rms_norm. Given transformers' forward back
     on exit: captured decoding uses the kernel in its own forwards only, on models that did not ask for it."""
     for module in norms:
         module.forward = KernelForward(module, _rms_norm_forward)

@@ -18,9 +18,9 @@ import torch
 
 from .._logging import log_once
 from ..hf import adapter_swap, decoding, fused_decode, model_kernels
-from ..ops._dependent_launch import dependent_launches
-from ..ops.argmax import argmax_rows
-from ..ops.record_tokens import record_tokens
+from ..ops.common.dependent_launch import dependent_launches
+from ..ops.decode.argmax import argmax_rows
+from ..ops.decode.record_tokens import record_tokens
 from .graphs import capture
 from .sampling import SamplingParams, sample
 from .stopping import StopChecker
@@ -69,7 +69,7 @@ class Engine:
     (PEFT keeps them in float32 for training; they are rounded, logged once; vLLM serves LoRA in the model's dtype
     too) and each lora_A stored with the frozen weights of its GEMM. Pass stack_adapters=False to keep the model's
     adapters as they are, at a slower decode step (transformers' forward, whose fused LoRA layers decode them
-    through lorafuse.ops.lora_decode as they are). The
+    through lorafuse.ops.lora.decode as they are). The
     engine's own forwards run RMSNorm on one kernel; the model's other forwards are left alone. On CUDA (or with
     `cuda_graphs=True`) each bucket's decode step is captured at construction (`capture_seconds` says how long
     that took). Models other than Llama, Mistral, Qwen2 and Qwen3 run transformers' generate, the reason logged

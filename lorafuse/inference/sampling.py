@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.argmax import argmax_rows
+from ..ops.decode.argmax import argmax_rows
 
 
 @dataclass(frozen=True)

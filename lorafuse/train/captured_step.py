@@ -8,7 +8,7 @@ caller to read when it likes. The first `eager_steps` calls run the same step ea
 Triton compiles, cuBLAS workspaces and optimizer state are made before the capture, which may make none of them; on
 a CPU every call runs eagerly, with the same device-side logic.
 
-Dropout: lorafuse's kernels draw their seed with torch.randint on the device (lorafuse.ops.dropout.new_seed), and
+Dropout: lorafuse's kernels draw their seed with torch.randint on the device (lorafuse.ops.lora.dropout.new_seed), and
 torch's CUDA generator is graph-safe, so every replay draws new masks, as eager steps do.
 """
 from collections.abc import Callable

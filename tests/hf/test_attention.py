@@ -12,7 +12,7 @@ from transformers.modeling_utils import AttentionInterface
 
 import lorafuse
 import lorafuse.hf
-from lorafuse.ops.attention_windows import AttentionWindows
+from lorafuse.ops.attention.windows import AttentionWindows
 from tests.lora_check import relative_error
 
 attention = importlib.import_module("lorafuse.hf.attention")
@@ -553,7 +553,7 @@ def test_memo_follows_the_tensor():
 def test_windows_keyword_refuses_a_sliding_window_layer_and_wrong_shapes():
     # The windows must say the whole relation: a sliding window on top is not applied, so it is refused.
     from lorafuse.hf.attention import WINDOWS_KWARG, lorafuse_attention_forward
-    from lorafuse.ops.attention_windows import windows_of_one_query
+    from lorafuse.ops.attention.windows import windows_of_one_query
     q, kv = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16)
     windows = windows_of_one_query(torch.ones(2, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="sliding-window layer"):

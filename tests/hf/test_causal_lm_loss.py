@@ -49,7 +49,7 @@ def test_loss_and_grads_equal_transformers_loss(family):
 def test_autocast_runs_the_fused_loss(monkeypatch, fallback_log):
     # accelerate's mixed precision (the recipe's, HF Trainer's bf16=True) wraps the forward in autocast: the fused loss
     # runs there too, in autocast's dtype, with the same loss and gradients up to bfloat16 rounding
-    from lorafuse.ops import linear_cross_entropy as lce_module
+    from lorafuse.ops.model import linear_cross_entropy as lce_module
     launches = []
     real = lce_module._launch_rows
     monkeypatch.setattr(lce_module, "_launch_rows", lambda *args: launches.append(1) or real(*args))

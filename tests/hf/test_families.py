@@ -13,7 +13,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import lorafuse
-from lorafuse.ops.dropout import new_seed
+from lorafuse.ops.lora.dropout import new_seed
 from tests.hf.families import FAMILIES, LORA_LAYERS, VOCAB, batch, logits, lora_config, lora_layer_kinds, tiny_model
 from tests.lora_check import (SeededDropout, assert_fp32_close, forward_backward, random_io, randomize_lora_B,
                               relative_error)

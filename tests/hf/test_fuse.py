@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import lorafuse
 from lorafuse.hf import FusedLoraLinear
-from lorafuse.ops.dropout import new_seed
+from lorafuse.ops.lora.dropout import new_seed
 from tests.lora_check import (BIASES, DTYPES, HALF_DTYPES, LORA_ALPHA, RANKS, SHAPES, SeededDropout, assert_fp32_close,
                               assert_half_rule, check_against_peft, check_half, forward_backward, random_io,
                               randomize_lora_B, relative_error, shape_id)

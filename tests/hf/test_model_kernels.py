@@ -29,7 +29,7 @@ def rope_calls(monkeypatch) -> collections.Counter:
     """Calls of the attention forward's rope and of the kernel's launches (forward and backward)."""
     calls = collections.Counter()
     count_calls(monkeypatch, calls, "lorafuse.hf.model_kernels", "rope")
-    count_calls(monkeypatch, calls, "lorafuse.ops.rope", "_launch")
+    count_calls(monkeypatch, calls, "lorafuse.ops.model.rope", "_launch")
     return calls
 
 

@@ -9,15 +9,15 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.func import grad, vmap
 
-from lorafuse.ops import flash_attention as attention_module
-from lorafuse.ops import rms_norm as rms_norm_module
-from lorafuse.ops import rope as rope_module
-from lorafuse.ops import silu_mul as silu_mul_module
-from lorafuse.ops.attention_windows import windows_from_padding_mask, windows_from_position_ids
-from lorafuse.ops.flash_attention import attention_reference, flash_attention
-from lorafuse.ops.rms_norm import rms_norm, rms_norm_reference
-from lorafuse.ops.rope import rope, rope_reference
-from lorafuse.ops.silu_mul import silu_mul, silu_mul_reference
+from lorafuse.ops.attention import flash_attention as attention_module
+from lorafuse.ops.model import rms_norm as rms_norm_module
+from lorafuse.ops.model import rope as rope_module
+from lorafuse.ops.model import silu_mul as silu_mul_module
+from lorafuse.ops.attention.windows import windows_from_padding_mask, windows_from_position_ids
+from lorafuse.ops.attention.flash_attention import attention_reference, flash_attention
+from lorafuse.ops.model.rms_norm import rms_norm, rms_norm_reference
+from lorafuse.ops.model.rope import rope, rope_reference
+from lorafuse.ops.model.silu_mul import silu_mul, silu_mul_reference
 
 EPS = 1e-5
 

@@ -1,0 +1,1 @@
+"""Flash attention for training and prefill, its tile configs and attention windows, and the split-KV decode kernel."""
