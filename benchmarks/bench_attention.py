@@ -1,6 +1,6 @@
 """Is the Triton flash attention right, and as fast as PyTorch's best? lorafuse vs SDPA's back-ends.
 
-    python benchmarks/bench_attention.py                 # checks, then the full grid (a few minutes on an H200)
+    python benchmarks/bench_attention.py                 # checks, then the full grid (a few minutes)
     python benchmarks/bench_attention.py --quick         # checks, then N=2048 D=128 only, and the decode row
     python benchmarks/bench_attention.py --check-only    # correctness on the GPU, no timing
     python benchmarks/bench_attention.py --out DIR       # rows to DIR/attention.csv instead of the defaults
@@ -291,7 +291,7 @@ def run_checks(device, cases):
 def graphed_provider(provider, fn, what):
     """fn under the provider's back-end, captured in a CUDA graph: its replay, or None, reported, if the provider fails
     on this input. Providers are then timed alternating call by call (benchmarks.common.time_alternating): timed one
-    after the other, identical kernels read up to 8 % apart (H200, NOTES_lora_layer.md)."""
+    after the other, identical kernels read several percent apart (benchmarks.common.time_alternating)."""
     try:
         with backend_of(provider):
             fn()  # an unsupported input raises here, before capture

@@ -25,8 +25,8 @@ Providers:
 Per decode step, the prefill left out: lorafuse's engines, the time from a call's first token on the host to its
 last / (G - 1) (the engine streams its tokens); transformers, (time of G new tokens - time of 1 new token) /
 (G - 1), the two calls alternating. Each the fastest of 5 timed calls after a warm-up call (hf_eager: one timed
-call of each). Until 2026-11-25 every provider took the difference, the median of 3 calls; the unmerged engine's
-eager prefill made it jitter by up to 25 % (NOTES_decode.md). GBps = bytes of the base weights
+call of each). The engines are not timed by that difference: the unmerged engine's eager prefill would make it
+jitter (older rows of decode.csv were taken so, as the median of 3 calls). GBps = bytes of the base weights
 (embedding counted once, tied as the lm_head) / time per step. Rows: <out>/decode.csv (bench and mode
 `decode`, shape `llama1B_B1_P128_G256`, metrics tokens_per_s = batch * G / time of the G-token call, GBps,
 capture_s), baseline hf_eager, ratio = time per step / hf_eager's.
@@ -97,7 +97,7 @@ def fastest_seconds(many, one, rounds: int) -> tuple[float, float]:
     """(fastest wall time of many(), of one()) over `rounds` rounds, the two calls alternating (each returns tokens
     on the host: it has synchronised); the caller has warmed them up. The fastest, not the median: what varies
     between calls is host time (Python, prefill launches, the allocator) that only ever adds, and with 64 new tokens
-    three medians let it move the per-step figure by 25 % (NOTES_decode.md, 2026-11-25)."""
+    a median of three let it move the per-step figure markedly."""
     times = {many: [], one: []}
     for _ in range(rounds):
         for fn in (many, one):
@@ -145,8 +145,7 @@ def engine_provider(engine: Engine, prompts, new: int):
     """(time of `new` tokens, time per decode step, capture seconds) for lorafuse's engine, greedy; with an adapter
     bank the rows take its adapters in turn. Per step: the decode phase of a call (`decode_seconds`) / (new - 1),
     the fastest of 5 calls. The prefill is left out by timing, not by subtracting a 1-token call: an unmerged
-    adapter's prefill runs eagerly on the host, and its 20-70 ms of jitter moved the difference by 25 % in 64-token
-    runs (NOTES_decode.md, 2026-11-25)."""
+    adapter's prefill runs eagerly on the host, and its jitter moved the difference markedly in 64-token runs."""
     params = SamplingParams(max_new_tokens=new)
     names = engine.adapter_names
     adapters = [names[i % len(names)] for i in range(len(prompts))] if len(names) > 1 else None

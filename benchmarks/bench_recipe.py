@@ -6,7 +6,7 @@ LoRA layers.
     python benchmarks/bench_recipe.py --model tiny --max-length 128 --steps 3 --log-every 1 --warmup-rows 1  # CPU
 
 The recipe needs hydra-core, omegaconf and datasets: on a GPU machine without network, PYTHONPATH=/tmp/site:$PWD with
-shared/gpu-wheels installed into /tmp/site (DESIGN.md).
+shared/gpu-wheels installed into /tmp/site.
 
 Method: one run of the recipe per variant, one after the other, each in a subprocess and a temporary run_dir:
 

@@ -6,12 +6,12 @@ and Unsloth on Llama shapes.
     python benchmarks/bench_train_step.py --quick --providers peft,lorafuse,lorafuse_captured --tree head=/tmp/head
     python benchmarks/bench_train_step.py --out DIR            # rows to DIR/train_step.csv instead of the defaults
 
-On a GPU machine without network (DESIGN.md): PYTHONPATH=/tmp/site:$PWD, /tmp/site holding hydra-core, omegaconf and
+On a GPU machine without network: PYTHONPATH=/tmp/site:$PWD, /tmp/site holding hydra-core, omegaconf and
 datasets (lorafuse.train, where CapturedStep lives, imports them) and liger-kernel; the Unsloth wheels installed into
 their own folder, --unsloth-site (/tmp/unsloth_site; shared/gpu-wheels-unsloth/README.md).
 
-Method: that of anchors/baseline.py (`train` section), so that numbers compare with the anchors (H200,
-2026-11-21: peft 34.4k tokens/s, 38.0 GiB; peft+liger 41.6k tokens/s, 21.9 GiB on llama1B). A
+Method: that of the anchors, the project's reference runs of PEFT and PEFT + Liger (docs/performance.md), so that
+numbers compare with them. A
 LlamaForCausalLM built from its config with random weights, created in bf16 on the GPU (no download;
 the anchors drew them in fp32 and cast);
 PEFT LoRA r=16, alpha 32 on all seven projections (q, k, v, o, gate, up, down), dropout --dropout (0.05; a list runs

@@ -1,7 +1,6 @@
-"""What every benchmark shares: timing, environment tags and the results CSV of DESIGN.md; and what the training-step
-benchmarks share (bench_train_step, its Unsloth subprocess unsloth_train_step, profile_train_step): their batch, their
-check step, their AdamW step and how it is timed."""
-import argparse
+"""What every benchmark shares: timing, environment tags and the results CSVs (benchmarks/results/); and what the
+training-step benchmarks share (bench_train_step, its Unsloth subprocess unsloth_train_step, profile_train_step):
+their batch, their check step, their AdamW step and how it is timed."""
 import csv
 import datetime
 import json
@@ -31,15 +30,6 @@ def environment():
             "command": " ".join(["python"] + [shlex.quote(a) for a in sys.argv])}
 
 
-def probe_args(doc: str) -> argparse.Namespace:
-    """The probes' command line: --rounds of time_alternating (30) and --out, the folder their CSV goes to ($OUT, or
-    the current one)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    return parser.parse_args()
-
-
 class LogWatch(logging.Handler):
     """Collects (and prints) what lorafuse logs, once per message: a fallback means a row would
     time PEFT or SDPA instead of lorafuse's kernels."""
@@ -66,13 +56,13 @@ def time_alternating(calls, rounds=100, warmup=10, order="rotate"):
     with CUDA events around each call and L2 flushed before it, as do_bench does.
 
     Ratios between calls are what the benchmarks compare, and the GPU's clocks drift between seconds: timed one after
-    the other (do_bench per provider), the base fwd+bwd of one shape read 0.79 ms in one run and 0.90 ms (p20-p80
-    0.85-0.98) in another, and two providers running the same kernels differed by 6 % (H200, NOTES_lora_layer.md).
-    Alternating call by call, every provider sees the same clocks.
+    the other (do_bench per provider), the same call's median moved between runs by more than the differences being
+    compared, and two providers running the same kernels read several percent apart. Alternating call by call, every
+    provider sees the same clocks.
 
     order: "rotate" starts each round one call later, so each call keeps the same predecessor (the last call of a
     round aside); "shuffle" draws each round's order afresh (seeded), so that no call always follows the same one
-    (probe_timing_order.py asks whether that matters)."""
+    (rows of both orders in benchmarks/results/timing_order.csv)."""
     if order not in ("rotate", "shuffle"):
         raise ValueError(f"order must be 'rotate' or 'shuffle', got {order!r}")
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
@@ -114,35 +104,6 @@ def capture(fn):
     with torch.cuda.graph(graph):
         outputs = fn()
     return graph, outputs
-
-
-def timing_rows(tags, bench, shape, mode, times, baseline, metric="", values=None):
-    """A row of COLUMNS per provider of time_alternating's {provider: (median, p20, p80)}, with its ratio to
-    `baseline`'s median; values: {provider: value of `metric`} (a provider without one gets neither)."""
-    values = values or {}
-    base = times[baseline][0]
-    return [dict(tags, bench=bench, shape=shape, provider=provider, mode=mode, median_ms=median, p20_ms=p20,
-                 p80_ms=p80, metric=metric if provider in values else "", value=values.get(provider, ""),
-                 baseline=baseline, ratio=median / base)
-            for provider, (median, p20, p80) in times.items()]
-
-
-def adapter_probe(bench, mode, probe_case, shapes, rows, rank, args, metric="rel_err_fp64"):
-    """Runs probe_case(k_in, n_out, adapter_dtype, rounds) -> ({provider: (median, p20, p80) ms}, {provider: `metric`,
-    a relative error to float64}) for each (in, out) of `shapes` with float32 and bf16 adapters, and appends the rows
-    to <args.out>/<bench>.csv (ratio to the "cublas" provider). Returns [(shape, cuBLAS ms, {provider: ratio},
-    errors)] for the probe's table."""
-    tags, table_rows, table = environment(), [], []
-    for (k_in, n_out) in shapes:
-        for adapter_dtype, adapters in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-            shape = f"M{rows}_K{k_in}_N{n_out}_r{rank}_{adapters}_adapters"
-            times, errors = probe_case(k_in, n_out, adapter_dtype, args.rounds)
-            floor = times["cublas"][0]
-            table_rows += timing_rows(tags, bench, shape, mode, times, "cublas", metric, errors)
-            table.append((shape, floor, {key: t[0] / floor for key, t in times.items()}, errors))
-            print(table[-1], flush=True)
-    write_rows(table_rows, bench, [args.out])
-    return table
 
 
 def result_dirs(out, dry_run=False):

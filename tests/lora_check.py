@@ -1,5 +1,5 @@
 """What the fused LoRA layer tests share: odd shapes, PEFT's reference layer, the mask-injecting
-dropout, one forward+backward that collects every gradient, and DESIGN.md's tolerance rules."""
+dropout, one forward+backward that collects every gradient, and docs/design.md's tolerance rules."""
 import copy
 import math
 

@@ -11,19 +11,19 @@ Per layer, with h the residual stream and x its normed copy (both updated in pla
   5. one GEMM with [Wg; Wu; Ag; Au], then ops.lora_silu_mul;
   6. one GEMM with [Wd; Ad], then ops.lora_add_rms_norm with the next layer's input norm (the final norm after the
      last layer), so that no layer starts with a norm of its own.
-Up to 16 rows the GEMMs (and lm_head) are ops.gemv: at batch 1 it reads the weights faster than cuBLAS's kernels,
-and at every batch it lets the kernel after it launch as it starts, which cuBLAS's kernels do not (batch 8 on an
-H100: 1.32 -> 1.15 ms a step merged). Merged and unmerged adapters run the same launches: an unmerged adapter adds
-rank-r rows to the GEMMs and a few multiply-adds inside the kernels after them. A PeftModel holding several LoRA
-adapters gets them all stacked (an adapter bank): each GEMM gives every adapter's shrink, and each row of a batch
-scales the s columns of the adapter it picks (or none) by that adapter's scale and the others' by 0 (`row_scales` of
-the kernels after the GEMMs), so rows of one batch run different adapters in the same captured step. With an adapter
-on o_proj (down_proj) the residual kernel spreads each row over programs and defers the norm: x leaves as h * w with
-partial sums of h^2, and the kernel after the next GEMM (5, or 2 of the next layer) scales its rows by rstd before
-adding the bias (ops/decode/lora_columns.py). Before the layers, one
-launch builds the attention windows from the keep-mask (ops.decode_windows) and one gathers each row's cos and sin from
-a table of the model's rotary embedding. Captured, the kernels take programmatic dependent launch
-(ops/common/dependent_launch.py). Prefill stays on transformers' forward; both write the same cache.
+Up to 16 rows the GEMMs (and lm_head) are ops.gemv: at batch 1 it reads the weights faster than cuBLAS's kernels, and
+at every batch it lets the kernel after it launch as it starts, which cuBLAS's kernels do not (a shorter step at batch
+8 too; bench_decode.py, rows in benchmarks/results/decode.csv). Merged and unmerged adapters run the same launches: an
+unmerged adapter adds rank-r rows to the GEMMs and a few multiply-adds inside the kernels after them. A PeftModel
+holding several LoRA adapters gets them all stacked (an adapter bank): each GEMM gives every adapter's shrink, and
+each row of a batch scales the s columns of the adapter it picks (or none) by that adapter's scale and the others' by
+0 (`row_scales` of the kernels after the GEMMs), so rows of one batch run different adapters in the same captured
+step. With an adapter on o_proj (down_proj) the residual kernel spreads each row over programs and defers the norm: x
+leaves as h * w with partial sums of h^2, and the kernel after the next GEMM (5, or 2 of the next layer) scales its
+rows by rstd before adding the bias (ops/decode/lora_columns.py). Before the layers, one launch builds the attention
+windows from the keep-mask (ops.decode_windows) and one gathers each row's cos and sin from a table of the model's
+rotary embedding. Captured, the kernels take programmatic dependent launch (ops/common/dependent_launch.py). Prefill
+stays on transformers' forward; both write the same cache.
 
 The weights of each GEMM are stored one after another in one buffer (`StackedLinear`), and the modules' parameters
 re-pointed to views of it, so that PEFT, swap_adapter (which copies into lora_A and lora_B in place) and the user's
@@ -58,7 +58,8 @@ ATTENTIONS = (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
 LORA_LINEARS = (lora.Linear, FusedLoraLinear)  # FusedLoraLinear changes PEFT's forward only
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The kernels after the GEMMs hold a [columns, ranks] tile of B: a bank's ranks on one projection add up, and past
-# the largest single adapter rank these kernels were written for their tiles would spill (not measured: declined).
+# the largest single adapter rank these kernels were written for their tiles would spill (untried: such banks are
+# declined).
 MAX_BANK_RANK = 64
 # transformers' rope types whose frequencies do not change with the positions seen: their cos and sin are tabulated
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

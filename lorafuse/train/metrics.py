@@ -40,7 +40,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_loss_curve(metrics_path: str | Path, png_path: str | Path) -> None:
-    """Train loss (and eval loss where measured) against the optimizer step."""
+    """Train loss (and eval loss where evaluated) against the optimizer step."""
     # matplotlib writes its font cache into its config directory (~/.cache/matplotlib by default): into the run
     # directory's cache instead, so that a run writes nowhere else (read when matplotlib is first imported)
     os.environ.setdefault("MPLCONFIGDIR", str(Path(png_path).parent / "cache" / "matplotlib"))

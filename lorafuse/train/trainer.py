@@ -188,7 +188,7 @@ class Finetune:
                                 self.cfg.optim.max_grad_norm) if self.cuda_graphs else None
         unread = _UnreadSteps(cfg.log_every, acc.device) if captured else None
         if start == 0 and cfg.eval_every:
-            self._log_eval(0, log)  # the loss before training: what the rest is measured against
+            self._log_eval(0, log)  # the loss before training: what the rest is compared with
             window["time"] = time.perf_counter()  # eval time stays out of tokens/s
         self.model.train()
         # disable=None: a bar on a terminal only (the log lines carry the same numbers elsewhere).

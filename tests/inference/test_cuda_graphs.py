@@ -108,7 +108,7 @@ def test_transformers_step_replay_equals_eager(adapters):
     # transformers' forward as the captured step (fused_step=False), lorafuse attention on windows built by one kernel
     # launch (decoding.decode_attention_kwargs). In fp32: eager decode calls of the fused LoRA layer take its
     # launch-bound route (ops/lora/linear.py, lora_decode), captured ones not, and in bf16 their roundings differ
-    # enough to flip a near-tie of this random model within 20 tokens (H100)
+    # enough to flip a near-tie of this random model within 20 tokens
     graphs = Engine(fused_model(adapters, torch.float32), max_length=MAX_LENGTH, buckets=(1, 4), fused_step=False)
     eager = Engine(graphs.model, max_length=MAX_LENGTH, buckets=(1, 4), cuda_graphs=False, fused_step=False)
     assert graphs.fused_step_reason is not None and graphs.capture_seconds > 0

@@ -1,6 +1,6 @@
-"""What the op tests share: DESIGN.md's tolerance rules, NaN poisoning, forward+backward runs.
+"""What the op tests share: docs/design.md's tolerance rules, NaN poisoning, forward+backward runs.
 
-Rules (DESIGN.md, "Tests"), on the relative error ||got - exact|| / ||exact|| against a float64
+Rules (docs/design.md), on the relative error ||got - exact|| / ||exact|| against a float64
 computation on the same (rounded) inputs:
   - float32: error < 1e-5, or (given PyTorch's own float32 result) below 2x its error where that is larger:
     inputs no fp32 computation takes to 1e-5;
@@ -43,7 +43,7 @@ def poison(tensor: torch.Tensor) -> torch.Tensor:
 
 def assert_close(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, plain: torch.Tensor | None = None,
                  name: str = "out") -> None:
-    """DESIGN.md's rule for a computation whose inputs are in `dtype`.
+    """docs/design.md's tolerance rule for a computation whose inputs are in `dtype`.
 
     exact: float64 result on the same inputs; plain: PyTorch's result computed in `dtype`
     (needed for bf16/fp16)."""

@@ -56,7 +56,7 @@ def attention_reference(q, k, v, causal=False, scale=None, windows: AttentionWin
 def _sdpa_fallback(q, k, v, causal, scale, windows, math_backend=False):
     # q: [B, Hq, Nq, D]; the dense mask exists only on this path. math_backend: SDPA's plain-op backend only (inside
     # torch.func's vmap, whose batching rule handed SDPA's fused CUDA kernels the mask without its vmapped batch
-    # dimension: "attn_bias: wrong shape (batch dimension)" on an H200)
+    # dimension: "attn_bias: wrong shape (batch dimension)")
     allowed = allowed_keys(windows, q.shape[2], k.shape[2], causal, q.device)[:, None]
     has_key, seen = allowed.any(-1, keepdim=True), allowed.any(-2)[..., None]
     q, k, v = torch.where(has_key, q, 0), torch.where(seen, k, 0), torch.where(seen, v, 0)
@@ -327,7 +327,8 @@ def _attn_bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, KEY_LO, KEY_HI,
 # ----------------------------------------------------------------------------------------------
 # Launchers. Tile shapes per kernel, for head dims up to 64 and up to 128 (16-bit inputs);
 # fp32 (exact "ieee" dots) and Triton's interpreter use smaller tiles.
-TILE_CONFIGS = {  # (kernel, head dim up to, causal): measured best on an H200 (N=2048, bf16)
+# TILE_CONFIGS: the fastest tiles at N=2048, bf16 (bench_attention.py; rows in benchmarks/results/attention.csv).
+TILE_CONFIGS = {  # (kernel, head dim up to, causal)
     ("fwd", 64, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("fwd", 64, False): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     ("fwd", 128, True): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -405,7 +406,7 @@ def _descriptor(t, rows, d_tile):
 # weight (0 * NaN) would carry into the kernels' sums. Those rows are zeroed in copies before the kernels run, only
 # where a kernel multiplies them: v for the forward (scores of masked keys are replaced, so q and k may stay); q, k
 # and dO for the backward. A pass over each copied tensor costs less than guarding inside the kernels: a select on
-# loaded tiles made every tile loop 25-45 % slower (H200).
+# loaded tiles slows every tile loop.
 
 def _padding_rows(windows):
     # -> (queries with keys [B, Nq], keys some query sees [B, Nk]) as bool, or None when the windows hold no padding
@@ -456,7 +457,7 @@ def _flash_forward(q, k, v, causal, scale, windows, store_lse):
     else:
         q_in, k_in, v_in = q, k, v
     # Without windows the masked tiles may test keys instead of rows (allowed_tile's PER_ROW): the causal forward
-    # runs 0.8 % faster so (H100), the non-causal one 4 % slower (H200)
+    # runs faster so, the non-causal one slower
     _attn_fwd_kernel[grid](
         q_in, k_in, v_in, out, lse, key_lo, key_hi, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *out.stride()[:3], n_q, n_k, n_heads, n_heads // k.shape[1], scale * LOG2_E,

@@ -19,7 +19,7 @@ from ..common.dependent_launch import launch_options, wait_for_inputs
 
 MAX_ROWS = 64       # group x Nq rows stacked in one tile at most
 BLOCK_N = 128       # keys per tile
-NUM_WARPS, NUM_STAGES = 4, 2  # of the chunk kernel (with BLOCK_N: the best of nine on an H100, NOTES_decode.md)
+NUM_WARPS, NUM_STAGES = 4, 2  # of the chunk kernel (with BLOCK_N: the fastest of the configs tried)
 PROGRAMS_PER_SM = 2
 
 

@@ -7,7 +7,7 @@ Every program walks its tiles in three ranges: masked tiles where the first rows
 begin, unmasked tiles that every row sees whole, masked tiles at the causal diagonal, the
 windows' ends and the sequence's end. Only masked tiles pay for the mask; only they can hold
 padding, whose K, V, Q or dO may be NaN. flash_attention zeroes those rows once per call before its kernels
-run (a select on loaded tiles slows every loop of a kernel by 25-45 %, measured on an H200); flash_decode,
+run (a select on loaded tiles would slow every loop of a kernel); flash_decode,
 which would copy its whole key cache each step, zeroes what no allowed score reaches inside the tiles
 (fwd_tiles with PADDED).
 """
@@ -52,8 +52,8 @@ def query_rows(KEY_LO, KEY_HI, b, offs_m, n_q, n_k, WINDOWED: tl.constexpr):
 def window_bounds(lo_of_row, hi_of_row, first_row, last_row, n_rows, n_cols, WINDOWED: tl.constexpr):
     """(lo, hi, full_lo, full_hi): the columns that some of rows first_row..last_row see, and those that all of them
     see, from per-row windows [lo_of_row, hi_of_row). Without windows every row below n_rows sees columns
-    0..n_cols-1, which scalars give without the reductions over the rows (those cost 1.5 % of the causal forward,
-    H100)."""
+    0..n_cols-1, which scalars give without the reductions over the rows (those add a small cost to the causal
+    forward)."""
     if WINDOWED:
         lo = tl.min(lo_of_row, 0)
         hi = tl.max(hi_of_row, 0)
@@ -85,7 +85,7 @@ def allowed_tile(offs_m, offs_n, klo, khi, n_k, diag, CAUSAL: tl.constexpr, PER_
     # and keys past n_k; else every row sees keys 0..n_k-1 (no windows): one test per key. Rows past n_q then
     # compute on zeros: never stored, and in dK/dV they add exactly zero (their q and dO load as zeros, their lse
     # and delta as 0: P = 1 times zero factors). Both are right without windows; which is faster depends on the kernel
-    # (H200, triton 3.6: the forward is 4 % faster per row, the backward 6 % faster per key, non-causal).
+    # (non-causal, triton 3.6: the forward is faster per row, the backward per key).
     if PER_ROW:
         ok = (offs_n[None, :] >= klo[:, None]) & (offs_n[None, :] < khi[:, None])
     else:

@@ -40,7 +40,7 @@ def padding_mask_is_contiguous(mask: torch.Tensor) -> bool:
     none). Reads the result on the host: call it outside CUDA-graph capture."""
     # mask: [B, Nk]
     keep = mask.bool().to(torch.int32)
-    starts = (keep[:, 1:] > keep[:, :-1]).sum(-1) + keep[:, 0]  # 0 -> 1 steps, a leading 1 counts
+    starts = (keep[:, 1:] > keep[:, :-1]).sum(-1) + keep[:, 0]  # steps from 0 to 1, a leading 1 counts
     return bool((starts <= 1).all())
 
 

@@ -6,7 +6,7 @@ x @ A == x @ hi + x @ mid + x @ lo: three bf16 dots give the float32 product up 
 tensor-core speed, where tf32x3 splits both operands in every tile and runs fp32-sized tiles. The tensor cores'
 adds truncate: reductions over a long K add each step's three products to their fp32 sum with one rounded add
 (`dot_pieces`). Chained inside the tensor cores instead, the sums drifted 5-25x past PyTorch's fp32
-error (H200, K of 4096-14336).
+error (K of 4096-14336).
 The kernels split every fp32 tile they load (the adapters' A and B, s, ds) in registers (`split_bf16`): no launch
 makes pieces ahead of them. Where both operands are fp32 (lora_matmul's epilogue: s times B) the kernel keeps the three
 largest of the nine piece products (the term to about 2^-17 of itself, under its bf16 output's rounding). fp16
@@ -51,5 +51,5 @@ def split_bf16(t):
 def dot_pieces(a, hi, mid, lo, acc):
     # acc + a @ (hi + mid + lo): the three products summed smallest first in a fresh tensor-core accumulator, which
     # joins acc in one rounded fp32 add. Hopper's tensor cores truncate what they accumulate; chained through a long
-    # reduction the running sum drifted (shrink of x 8192 x 4096 on an H200: 1.4e-5 relative, PyTorch's fp32 5.7e-7).
+    # reduction the running sum drifted (shrink of x 8192 x 4096: 1.4e-5 relative, PyTorch's fp32 5.7e-7).
     return acc + tl.dot(a, hi, tl.dot(a, mid, tl.dot(a, lo)))

@@ -4,8 +4,8 @@ A decode step is ~160 launches in a row, most of them a few microseconds long, e
 wrote. Launched normally, a kernel's programs start only after the previous kernel has finished and its writes are
 flushed, so every launch adds the GPU's launch latency to the step. With PDL (CUDA, compute capability >= 9) a
 kernel may be launched while the previous one still runs: its programs start, then wait (`griddepcontrol.wait`)
-until the previous kernel has completed and its writes are visible. On an H100 this took the 1B decode step from
-1.12 to 1.05 ms (benchmarks/NOTES_decode.md).
+until the previous kernel has completed and its writes are visible. This shortens the decode step by hiding part
+of each launch's latency (benchmarks/bench_decode.py times the step; rows in benchmarks/results/decode.csv).
 
 Rules for a kernel launched this way (`launch_options`, `wait_for_inputs`):
 - before the wait it reads only what no kernel of the step writes: an adapter's lora_B (`lora_columns.lora_b_rows`),

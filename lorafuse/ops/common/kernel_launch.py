@@ -35,8 +35,9 @@ def _specialisation(arg):
 def _direct(kernel, args) -> bool:
     """Whether this call may skip kernel[grid]: a compiled (not interpreted) kernel on CUDA tensors, no launch hooks."""
     runtime = triton.knobs.runtime
-    return (isinstance(kernel, JITFunction) and args[0].is_cuda
-            and not (runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls))
+    # a hook is a HookChain (Triton 3.5 and later: set when it holds calls) or a callable or None (3.4)
+    hooks = (getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    return isinstance(kernel, JITFunction) and args[0].is_cuda and not any(hooks)
 
 
 def launch(kernel, plan, *args) -> None:

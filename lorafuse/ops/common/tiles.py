@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 ADAPTER_MATH = ("exact", "fast")
-CPU_STAND_IN_SMS = 132  # Triton's interpreter has no SMs: plan as on an H100/H200, so CPU tests split alike
+CPU_STAND_IN_SMS = 132  # Triton's interpreter has no SMs: plan as on a 132-SM Hopper GPU, so CPU tests split alike
 
 
 PLANS = 1024  # launch plans each launcher keeps (functools.lru_cache): far more than a run's shapes
@@ -82,7 +82,7 @@ def lora_in_fp32(x_dtype: torch.dtype, adapter_dtype: torch.dtype, mode: str | N
 
 def lora_precision(x_dtype: torch.dtype, adapter_dtype: torch.dtype, mode: str | None = None) -> str:
     """tl.dot precision of the rank-r products that run on float32 tiles. float32 adapters on a 16-bit base use
-    three tf32 tensor-core passes (fp32-class accuracy; plain fp32 FMA dots measured 4-8x slower than the whole
+    three tf32 tensor-core passes (fp32-class accuracy; plain fp32 FMA dots would take several times the whole
     layer's budget) where the operands are not bf16 pieces (common/bf16_pieces.py: bf16 activations' big products);
     all-float32 inputs stay exact fp32."""
     if x_dtype == torch.float32:
@@ -94,7 +94,7 @@ def atomic_partial_sums(parts: int, deterministic: bool, fixed_order: bool = Fal
     """Whether a kernel adds its `parts` partial sums of a small output (dB: [N, r]) into it with float32 atomics
     instead of writing them for a reduction afterwards: the partials cost a write and a read of parts x the output
     (8192 rows, 14336 columns, r = 16: 59 MB each way) and a launch; on small outputs (s, ds, dA: [8192, 16]) the
-    reduction's launch still took 4.5 us (H100, torch.profiler). Atomics add in no fixed order, so the last bits
+    reduction's extra launch still costs a launch's latency. Atomics add in no fixed order, so the last bits
     vary from run to run: under torch.use_deterministic_algorithms(True) (`deterministic`, which launchers read once
     a call) the partials are kept, as PyTorch does for its own atomic kernels. fixed_order: an output that must not
     vary from run to run (a forward's: the same prompt gives the same logits): atomics only for two parts, as

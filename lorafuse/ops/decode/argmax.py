@@ -1,7 +1,7 @@
 """Row-wise argmax over a long last dimension: a decode step's choice of the next token from its logits.
 
-torch.argmax reduces a row in one thread block: 28 us for one row of Llama-3's 128256 logits on an H200 (3 % of a
-Llama-1B decode step, `bench_decode.py --profile`). Here each row is cut into chunks, one program each, and a second
+torch.argmax reduces a row in one thread block, slow on a row of Llama-3's 128256 logits (a visible share of a
+Llama-1B decode step in `bench_decode.py --profile`). Here each row is cut into chunks, one program each, and a second
 launch picks the first chunk holding the row's maximum. The result is torch.argmax's: the first index of the maximum,
 and a NaN counts as larger than any number (the first NaN wins).
 """

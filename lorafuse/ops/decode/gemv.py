@@ -2,13 +2,12 @@
 the LoRA shrink s = x A^T of one row in the same launch.
 
 Decoding reads every weight once per step, and what matters is keeping every SM streaming them:
-  one row    `_gemv`: one or two rows of W a program over all of K, no tensor cores, no split-K reduction. cuBLAS's
-             kernels reach 1.3-3.4 TB/s on an H200 at Llama-1B's projection shapes, this one 1.9-4.2 TB/s (`.scratch`
-             sweep, H200: q/k/v 5.5 against 7.1 us, o 4.4 against 6.6, gate/up 18.5 against 19.9, down 10.9 against
-             13.8, lm_head 126 against 132);
+  one row    `_gemv`: one or two rows of W a program over all of K, no tensor cores, no split-K reduction. It reads
+             the weights faster than cuBLAS's kernels at every one of Llama-1B's projection shapes (q/k/v, o,
+             gate/up, down, lm_head);
   2-16 rows  `_few_rows`: one 16-row tensor-core tile of x against a block of W's rows over all of K (no split-K, so
-             one launch and no reduction). 16-bit weights only: float32 rows take PyTorch's GEMM (cuBLAS), which the
-             kernel's float32 dots trailed by 1.5-5.8x at Llama-1B's shapes (H200, NOTES_decode.md).
+             one launch and no reduction). 16-bit weights only: float32 rows take PyTorch's GEMM (cuBLAS), which is
+             faster there than the kernel's float32 dots.
 Both let the next kernel of a captured decode step launch as soon as they start (ops/common/dependent_launch.py), which
 cuBLAS's kernels do not: the decode step's adapter kernels then load their lora_B while the GEMM still runs. The
 sums run in fp32; y is rounded to the weight's dtype first even when `out` is fp32 (so logits equal those of the
@@ -99,7 +98,7 @@ def chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, strid
     # (x: [M, K] with unit column stride, Mat: [n_m, K]; rows past n_m read zeros). ON_PIECES: Mat is fp32 and
     # x bf16 (exact), so three bf16 dots with Mat's pieces give the fp32 product (lora_decode's float32 adapters).
     # Rows past M repeat x's rows (their results are never stored): x's loads need no row mask, which made the kernel
-    # 15-25 % slower at 2-8 rows than at 16 (H200, probe_few_rows.py).
+    # slower at 2-8 rows than at 16.
     rows = tl.arange(0, BLOCK_M) % M
     ks = tl.arange(0, BLOCK_K)
     m_ok = m_rows[:, None] < n_m
@@ -116,7 +115,7 @@ def chunk_product(x_ptr, m_ptr, m_rows, n_m, k_start, k_end, M, stride_xm, strid
             m = tl.load(m_ptrs, mask=m_ok & k_ok, other=0.0, eviction_policy="evict_first")
         if ON_PIECES:
             # chained in the tensor cores' accumulator (not dot_pieces): lora_decode rounds its output to 16 bits,
-            # far above the chain's drift, and the promoted sum measured 0.7 us slower a call at K = 2048 (H200)
+            # far above the chain's drift, and the promoted sum is slower
             hi, mid, lo = split_bf16(m)
             acc = tl.dot(x, tl.trans(lo), tl.dot(x, tl.trans(mid), tl.dot(x, tl.trans(hi), acc)))
         else:
@@ -144,15 +143,16 @@ def _few_rows(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 def _config(N, K):
-    # (BLOCK_N, BLOCK_K) of _gemv: the sweep's best, all at 4 warps, 1-2 stages within 1 %; narrow and short weights
-    # need two rows a program to keep enough loads in flight, wide or long ones one (N / BLOCK_N programs).
+    # (BLOCK_N, BLOCK_K) of _gemv: the fastest of the configs tried, at 4 warps (1 or 2 stages alike); narrow and
+    # short weights need two rows a program to keep enough loads in flight, wide or long ones one (N / BLOCK_N
+    # programs).
     return (2, 1024) if N <= 4096 and K <= 4096 else (1, 512)
 
 
 def _few_rows_config(N, K, device):
-    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of _few_rows, the best of an H200 sweep at Llama-1B's bf16 GEMMs
-    # (probe_few_rows.py): 16 columns a program while that makes at most one program per SM (o, down: the longest
-    # K tiles), 32 for mid-sized weights (q/k/v), 64 for wide ones (gate/up, lm_head).
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of _few_rows, the fastest of the configs tried at Llama-1B's bf16
+    # GEMMs (rows in benchmarks/results/few_rows.csv): 16 columns a program while that makes at most one program per
+    # SM (o, down: the longest K tiles), 32 for mid-sized weights (q/k/v), 64 for wide ones (gate/up, lm_head).
     if triton.cdiv(N, 16) <= sm_count(device):
         return 16, 512, 2, 4
     return (32, 256, 4, 4) if N < 8192 else (64, 128, 4, 4)
@@ -198,7 +198,7 @@ def _launch_few_rows(x, weight, bias, y, config):
     except triton.runtime.errors.OutOfResources as error:
         if config is not None:  # a benchmark's own tiles: it wants to know
             raise
-        # The tiles were sized for Hopper's shared memory (probe_few_rows.py): other GPUs may have less
+        # The tiles were sized for Hopper's shared memory: other GPUs may have less
         _too_large.add(key)
         log_once(f"lorafuse.gemv: {x.shape[0]} rows of {x.dtype} in tiles of {block_n} x {block_k} need more "
                  f"than this GPU has ({error}); PyTorch's GEMM runs them")

@@ -4,7 +4,7 @@ the next RMSNorm. h = residual + y + scale * s B^T is written over the residual,
 Input is the row of one GEMM over the stacked weights [W; A]: [y | s]. transformers runs the adapter's expand, its
 scaling, two adds and the norm's seven kernels here; at decode sizes each moves a few kilobytes, so the launches are
 the cost. Without an adapter one program holds a whole row (the norm needs all of it), as rms_norm does. With one,
-reading B ([N, r]) from one program costs more than the rest of the kernel (2-3x on an H200), so the row's columns
+reading B ([N, r]) from one program costs more than the rest of the kernel, so the row's columns
 are spread over programs: each adds its columns and stores its partial sum of squares, and the last program of the
 row to finish (an atomic count) normalizes the whole row. With `defer` no program waits for the row: each writes
 h * w for its columns and its partial sum, and the kernel after the next GEMM scales by rstd (decode/lora_columns.py).

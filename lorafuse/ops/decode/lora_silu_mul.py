@@ -15,7 +15,7 @@ from .lora_columns import (columns_with_lora, deferred_parts, lora_b_rows, proje
 from ..model.silu_mul import silu_mul_reference
 
 BLOCK = 1024  # columns per program: a decode row of an MLP (a few thousand) spreads over a few programs per row
-LORA_BLOCK = 128  # with adapters: a program also holds [columns, rank] tiles of B (128: fastest of 64-512, H200)
+LORA_BLOCK = 128  # with adapters: a program also holds [columns, rank] tiles of B (128: fastest of 64-512)
 
 
 def lora_silu_mul_reference(proj, lora_B, scales, out, bias=None, row_norm=None, row_scales=None):

@@ -7,11 +7,11 @@ no launch that waits on a full pass. Inference only (no dropout, no saved tensor
   2-16 rows  `_rows_chunks` splits K into chunks over about 1.5 programs per SM: each sums x_k W_k^T for a block of
              columns, a few more sum the shrink x_k A_k^T once (not per column block), and `_expand_chunks` adds the
              chunks up with scale * s B^T, bias and the activation. Since the LoRA term is linear in x, no chunk needs
-             the whole shrink before its own sum. Two launches: at 16 rows and r = 16, 1.05-1.39x cuBLAS's GEMM alone
-             on an H200 (bench_lora_layer.py --decode-only; --sweep-decode for the configs), where cuBLAS's GEMM of x
-             with [W; A] plus lora_expand took 1.09-1.40x. Larger ranks are tested, not measured. 16-bit x only:
-             float32 models' rows take PyTorch's GEMMs (`_float32_rows`), which the kernels' float32 dots trailed by
-             about 2x at Llama-1B's shapes (H200, NOTES_decode.md).
+             the whole shrink before its own sum. Two launches, faster than cuBLAS's GEMM of x with [W; A] plus
+             lora_expand at r = 16 (bench_lora_layer.py --decode-only, rows in benchmarks/results/lora_layer.csv;
+             --sweep-decode for the configs). Larger ranks are tested for correctness only. 16-bit x only: float32
+             models' rows take PyTorch's GEMMs (`_float32_rows`), which are faster there than the kernels' float32
+             dots.
 """
 import torch
 import triton
@@ -89,7 +89,7 @@ def _expand_chunks(part_ptr, low_ptr, b_ptr, bias_ptr, y_ptr, M, N, rank, splits
     ranks = tl.arange(0, R)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     chunks = tl.arange(0, SPLITS)[:, None, None]
-    # int32 offsets: splits * 16 * N stays below 2^31 for N < 16.7M columns; int64 ones cost 0.26 us a call (H200)
+    # int32 offsets: splits * 16 * N stays below 2^31 for N < 16.7M columns; int64 ones would slow every call
     acc = tl.sum(tl.load(part_ptr + (chunks * M + rows[None, :, None]) * N + cols[None, None, :],
                          mask=(chunks < splits) & mask[None, :, :], other=0.0), 0)
     chunks = tl.arange(0, SHRINK_SPLITS)[:, None, None]
@@ -104,8 +104,9 @@ def _expand_chunks(part_ptr, low_ptr, b_ptr, bias_ptr, y_ptr, M, N, rank, splits
 
 
 def _rows_config(N, K, device):
-    """(BLOCK_N, BLOCK_K, splits, num_warps, num_stages), as swept on an H200 (M = 4 and 16, r = 16, Llama-1B/8B
-    shapes): about 1.5 programs per SM, narrow column blocks where the weight has few rows."""
+    """(BLOCK_N, BLOCK_K, splits, num_warps, num_stages): the fastest of bench_lora_layer.py --sweep-decode's configs
+    (M = 4 and 16, r = 16, Llama-1B/8B shapes): about 1.5 programs per SM, narrow column blocks where the weight has
+    few rows."""
     block_n, block_k = (32 if N <= 4096 else 64), 128
     splits = round(1.5 * sm_count(device) / triton.cdiv(N, block_n))
     return block_n, block_k, max(1, min(splits, MAX_SPLITS, triton.cdiv(K, 4 * block_k))), 4, 4

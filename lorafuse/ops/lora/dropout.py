@@ -21,7 +21,7 @@ import triton.language as tl
 
 KEEP_BITS = 14
 DRAWS_PER_CALL = 8  # 4 words x 2 halves
-PHILOX_ROUNDS = 7  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11); 10 only adds margin, at 40% more cost
+PHILOX_ROUNDS = 7  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11); 10 only adds margin, at 10/7 the cost
 # Triton's interpreter (TRITON_INTERPRET, the CPU tests) runs no inline assembly: the plain compares instead
 INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 DRAW_MASK = tl.constexpr((1 << KEEP_BITS) - 1)  # a draw: these bits of its half-word
@@ -66,8 +66,8 @@ def new_seed(device) -> torch.Tensor:
 @triton.jit
 def philox(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
     for _ in tl.static_range(ROUNDS):
-        # one 32 x 32 -> 64-bit product gives both words (one IMAD.WIDE on sm_90, where umulhi and a multiply
-        # took two instructions: the masked shrink's kernel 1120 -> 1048 instructions, compiled for sm_90)
+        # one 32 x 32 bit product into 64 bits gives both words (one IMAD.WIDE on sm_90, where umulhi and a multiply
+        # take two instructions: the masked shrink's kernel compiles to fewer instructions)
         product_b = c2.to(tl.uint64) * PHILOX_ROUND_B
         product_a = c0.to(tl.uint64) * PHILOX_ROUND_A
         c0 = (product_b >> 32).to(tl.uint32) ^ c1 ^ k0
@@ -114,7 +114,7 @@ def keep_of_words(words, THRESHOLD, dtype: tl.constexpr):
     # dtypes take one paired float16 compare (the module's top); the interpreter and float32 the integer compares.
     if INTERPRETED or dtype == tl.float32:  # one return at the end: Triton traces the code after an early one
         # Under the interpreter a bool cast to bf16 holds the bit pattern 0x0001, which its bf16 product with x reads
-        # as 1 (its multiplies work on the bits): x * keep is right there, keep's own value is not (NOTES_lora_layer.md)
+        # as 1 (its multiplies work on the bits): x * keep is right there, keep's own value is not
         first = ((words & DRAW_MASK) >= THRESHOLD).to(dtype)
         second = (((words >> 16) & DRAW_MASK) >= THRESHOLD).to(dtype)
     else:

@@ -157,9 +157,9 @@ def lora_expand(base, s, B, scale, bias=None, activation_id=0, out=None, store_z
 
 def _expand_backward_config(M, N, tf32x3, sms):
     # (BLOCK_M, BLOCK_N, num_warps, num_stages, programs). With tf32x3 adapter math (three tf32 products per tile) the
-    # kernel is compute-heavy: more column splits for wide dy (8192 x 8192: 234 -> 184 us) and narrow tiles for
-    # narrow dy (8192 x 512: 36 -> 28 us), swept on an H200 at Llama-1B shapes. 16-bit math and bf16 pieces keep the
-    # defaults (pieces: swept at the four layer shapes of bench_lora_layer.py, H200).
+    # kernel is compute-heavy: more column splits for wide dy and narrow tiles for narrow dy, the fastest of the
+    # configs tried at Llama-1B shapes (bench_lora_layer.py --breakdown times them). 16-bit math and bf16 pieces keep
+    # the defaults, which were fastest at the four layer shapes of bench_lora_layer.py.
     block_m = 128 if M >= 2048 else 64 if M > 32 else 16
     if tf32x3 and M >= 2048:
         return (32, 128, 4, 3, 4 * sms) if N <= 512 else (block_m, 64, 4, 3, 4 * sms)

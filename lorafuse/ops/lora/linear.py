@@ -257,7 +257,7 @@ def _kernel_unsupported(x, weight, lora_A, mode):
     if lora_A.shape[0] > 128:
         return f"rank {lora_A.shape[0]} > 128 runs the PyTorch reference"
     if lora_A.shape[0] > 64 and lora_in_fp32(x.dtype, lora_A.dtype, mode):
-        # fp32 rank tiles of 128 overflow shared memory in the backward (seen on an H200)
+        # fp32 rank tiles of 128 overflow shared memory in the backward
         return f"rank {lora_A.shape[0]} > 64 with float32 adapter math runs the PyTorch reference"
     if x.numel() == 0:
         return "an empty batch runs the PyTorch reference"

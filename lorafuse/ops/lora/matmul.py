@@ -109,7 +109,7 @@ def add_rank_r(acc, low, r, scale, CD: tl.constexpr, ON_PIECES: tl.constexpr, LO
     if ON_PIECES:
         # float32 operands as bf16 pieces: bf16 dots like the K-loop's (a tf32x3 dot into this accumulator spills).
         # The three largest piece products carry the term to about 2^-17 of itself: C is rounded to 16 bits (2^-9),
-        # and Z, kept for act', needs no more. The other three products measured 2-4 % of the GEMM on an H200.
+        # and Z, kept for act', needs no more. The other three products would add a visible share of the GEMM's time.
         l0, l1, _ = split_bf16(low * scale)
         r0, r1, _ = split_bf16(r.to(tl.float32))
         acc = tl.dot(l0, r1, tl.dot(l1, r0, tl.dot(l0, r0, acc)))

@@ -87,7 +87,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
         if ON_PIECES:
             a, a_mid, _ = split_bf16(a)
     # dA^T = x^T ds, so that the long side (K) is the MMA's M and the rank its N: as ds^T x (M = rank) the kernel ran
-    # 16-25 % slower (H200, x of 8192 x 2048-14336, dropout and dx).
+    # slower at training sizes.
     acc = tl.zeros([BLOCK_K, R], tl.float32)
     row_end = tl.minimum(M, (split + 1) * rows_per_split)
     for m0 in range(split * rows_per_split, row_end, BLOCK_M):
@@ -100,8 +100,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
                      other=0.0)
         if HAS_DROPOUT:
             # The mask as 0/1 in x's dtype (products with it are exact): dx needs it in the dot's layout too, and
-            # moving a 16-bit tile between layouts measured cheaper than an i1 one (H200, with dx, same outputs: x of
-            # 8192 x 4096 98 -> 95 us, 8192 x 14336 323 -> 303 us with float32 adapters).
+            # moving a 16-bit tile between layouts is cheaper than moving an i1 one (same outputs).
             keep = keep_tile(seed_ptr, rows, tl.program_id(0) * BLOCK_K, threshold, BLOCK_K, ROUNDS, x.dtype)
             x = x * keep
         if ON_PIECES:
@@ -128,7 +127,7 @@ def _shrink_bwd(x_ptr, ds_ptr, a_ptr, dx_ptr, da_part_ptr, seed_ptr, M, K, rank,
 def _shrink_config(M, math, masked, sms):
     # (BLOCK_M, BLOCK_K, num_warps, num_stages, programs): enough programs in flight to stream x. math: "16-bit",
     # "pieces" (float32 A as bf16 pieces) or "tf32x3". Few row blocks split K to reach `programs`.
-    # Chosen by sweeping bench_lora_layer.py --breakdown at training sizes: with tf32x3 wider
+    # Chosen by timing configs with bench_lora_layer.py --breakdown at training sizes: with tf32x3 wider
     # tiles stream x faster, with 16-bit adapter math they lose; at 4096 rows and more, 5 stages of 64 x 128 without the
     # dropout mask, two programs per SM with it (its arithmetic wants more warps in flight).
     if M >= 4096 and math == "tf32x3":
@@ -183,10 +182,9 @@ def lora_shrink(x, A, dropout_p=0.0, seed=None, config=None, mode=None):
 @functools.lru_cache(maxsize=PLANS)
 def _backward_plan(M, K, r, x_dtype, a_dtype, dropout_p, with_dx, device, deterministic, mode, config):
     """lora_shrink_backward's launch but its tensors (a LaunchPlan; scalars: rows_per_split, threshold, drop_scale)."""
-    # Swept on an H200 (NOTES_lora_layer.md, graph-replayed, x of 8192 x 2048 / 4096 / 8192 / 14336, float32 and
-    # bf16 adapters): dA alone and dx with the mask want 32 x 128 / 16 x 256 blocks, dx without the mask on pieces
-    # 64 x 128. Float32 adapters, dropout and dx: 46 / 82 / 141 / 236 us (the kernel before, as ds^T x and with the
-    # extra row split below: 55 / 94 / - / 312).
+    # The fastest of the configs tried, graph-replayed, at x of 8192 x 2048 / 4096 / 8192 / 14336 with float32 and
+    # bf16 adapters (bench_lora_layer.py --breakdown times them): dA alone and dx with the mask want 32 x 128 /
+    # 16 x 256 blocks, dx without the mask on pieces 64 x 128.
     programs = 4 * sm_count(device)
     if M <= 32:
         default = (16, 64, 4, 3, programs)
@@ -198,8 +196,7 @@ def _backward_plan(M, K, r, x_dtype, a_dtype, dropout_p, with_dx, device, determ
         default = (64 if _math(x_dtype, a_dtype, mode) == "pieces" else 32, 128, 4, 3, programs)
     block_m, block_k, warps, stages, programs = config or default
     k_blocks = cdiv(K, block_k)
-    # At most `programs`: one more row split than fits in a wave left a second, nearly empty wave (x of
-    # 8192 x 14336 with dropout and dx on an H200: 1120 programs 313 us, 1008 programs 234 us).
+    # At most `programs`: one more row split than fits in a wave leaves a second, nearly empty wave.
     rows_per_split, splits = split_in_blocks(M, block_m, min(cdiv(M, 256), max(1, programs // k_blocks)))
     threshold, drop_scale = dropout_args(dropout_p)
     return LaunchPlan((k_blocks, splits), (rows_per_split, threshold, drop_scale), dict(

@@ -2,7 +2,7 @@
 under a dense boolean mask built from the definitions in test_windows.py), and
 attention_reference against the same oracle.
 
-DESIGN.md's rule: fp32 relative error < 1e-5; bf16 / fp16 at most 2x the error of PyTorch's own
+docs/design.md's rule: fp32 relative error < 1e-5; bf16 / fp16 at most 2x the error of PyTorch's own
 attention in that dtype (scaled_dot_product_attention with the same boolean mask, and the
 gradients of its backward). Padding in q, k, v is filled with NaN: it must reach nothing.
 """
@@ -78,7 +78,7 @@ def run(fn, q, k, v, grad_out):
 
 def compare(got: dict, exact: dict, dtype, plain_results: dict | None = None, tol: float | None = None,
             what: str = "flash_attention"):
-    """DESIGN.md's rule on each entry. An entry whose exact value is 0 (dq, dk with one key per
+    """docs/design.md's tolerance rule on each entry. An entry whose exact value is 0 (dq, dk with one key per
     query) is measured against the largest exact entry of the case instead of itself."""
     size = max(torch.linalg.vector_norm(t.double()).item() for t in exact.values())
     for name, want in exact.items():

@@ -1,5 +1,5 @@
 """flash_decode (the no-grad forward for a few query rows against a longer cache, reached through
-flash_attention) against the float64 oracle of test_flash_attention.py, by DESIGN.md's rule: GQA
+flash_attention) against the float64 oracle of test_flash_attention.py, by docs/design.md's rule: GQA
 rows stacked in one tile, the keys split in chunks and merged, padding (NaN) and windows."""
 import math
 

@@ -1,5 +1,5 @@
 """bf16 pieces: float32 tensors as three bfloat16 pieces summing to them exactly, and the rank-r products of float32
-adapters on bf16 activations that run on those pieces: as accurate as float32 (DESIGN.md's fp32 bar), not merely
+adapters on bf16 activations that run on those pieces: as accurate as float32 (docs/design.md's fp32 bar), not merely
 within the bf16 rule."""
 import torch
 
@@ -21,7 +21,7 @@ def test_pieces_sum_to_the_float32_values():
 
 def test_rank_products_on_pieces_are_float32_accurate():
     # each product within 2x PyTorch's own float32 computation of it (about 1e-7 here) plus 1e-6 for the tensor
-    # cores' accumulation (5.7e-7 measured on an H200; the interpreter's is exact fp32): without the lo piece the error
+    # cores' accumulation (about 5.7e-7 on a GPU; the interpreter's is exact fp32): without the lo piece the error
     # would be ~2.5e-6, without mid ~1e-3
     m, k, n, r, scale = 113, 100, 72, 8, 0.5
     x = torch.randn(m, k).bfloat16()

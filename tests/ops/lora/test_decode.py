@@ -136,7 +136,7 @@ def test_one_row_runs_gemv_and_shrink(adapter_dtype, monkeypatch):
 
 @pytest.mark.parametrize("rows", [2, 16])
 def test_float32_rows_take_pytorchs_gemms(rows, monkeypatch):
-    # A float32 model's rows: the kernels' float32 dots trailed PyTorch's three GEMMs by about 2x (H200), so more
+    # A float32 model's rows: the kernels' float32 dots are slower than PyTorch's three GEMMs there, so more
     # than one row never launches them; values (activation and bias included) against float64
     monkeypatch.setattr(lora_decode_module, "_rows_chunks", None)  # would raise if called
     monkeypatch.setattr(lora_decode_module, "_expand_chunks", None)

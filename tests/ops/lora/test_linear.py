@@ -337,8 +337,8 @@ PLAN_FLAGS = ("LORA_FP32", "ON_PIECES", "ATOMIC", "ATOMIC_DS", "ATOMIC_DB")
 def spy_launches(monkeypatch):
     """[(kernel name, its PLAN_FLAGS)] of every launch of the shrink's two kernels and of the expand's backward."""
     launched = []
-    for module_name, name in (("lora_shrink", "_shrink_fwd"), ("lora_shrink", "_shrink_bwd"),
-                              ("lora_expand", "_expand_bwd")):
+    for module_name, name in (("lora.shrink", "_shrink_fwd"), ("lora.shrink", "_shrink_bwd"),
+                              ("lora.expand", "_expand_bwd")):
         module = importlib.import_module(f"lorafuse.ops.{module_name}")
         kernel = getattr(module, name)
 
