@@ -12,8 +12,15 @@ from it; one kernel accumulates dQ per query tile (and stores each row's delta =
 on the way), then another accumulates dK and dV per key tile over the query tiles of every
 query head sharing it (no atomics: deterministic). Double backward (create_graph=True) differentiates
 attention_reference instead (ops/common/autograd.py).
-Everything the kernels do not cover runs through torch's scaled_dot_product_attention, with
-the reason logged once.
+The routes, decided in `flash_attention` and `_forward` (under torch.compile inside the custom op
+lorafuse::flash_attention):
+  "sdpa"    tensors off CUDA without TRITON_INTERPRET=1, dtypes other than float32/float16/bfloat16, head dims
+            not in HEAD_DIMS, torch.func transforms: torch's scaled_dot_product_attention under the windows' dense
+            mask (its math backend under a transform), the reason logged once.
+  "decode"  no autograd, at most flash_decode.MAX_ROWS query rows per K/V head and fewer queries than keys
+            (flash_decode.fits_decode): the split-KV kernels of flash_decode.py.
+  "flash"   the rest: the forward kernel and the two backward kernels here, their tiles loaded by TMA on Hopper
+            when every base and stride is 16-byte aligned (16-bit dtypes; _use_tma), else by pointers.
 """
 import contextlib
 import functools
