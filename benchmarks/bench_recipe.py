@@ -30,7 +30,8 @@ steps since the previous row (sample tokens, padding not counted; eval and check
 --warmup-rows rows (Triton compiles, the captured step's eager steps and its capture) are dropped; of the rest:
   tokens_per_s               the median
   median_ms, p20_ms, p80_ms  of each row's time per step: tokens since the previous row / tokens_per_s / steps
-  peak_GiB                   the largest peak_GiB of the rows, where the trainer logs one (blank otherwise)
+  peak_GiB                   the largest mem_peak_GiB of the rows (each row's is the peak since the previous row),
+                             where the trainer logs one: on CUDA (blank otherwise)
 Prints a table with ratios to peft; rows to benchmarks/results/recipe.csv (and $OUT when set; --out replaces both;
 a run without CUDA writes none unless given --out): bench and mode `recipe`, shape `<model>_packed_B<batch>_T<max
 length>_r<lora.r>_p<lora.dropout>` (the values the run resolved), baseline peft, ratio = median step time / peft's.
@@ -124,7 +125,7 @@ def measure(run_dir, model, warmup_rows):
     if not kept:
         raise ValueError(f"{len(logged)} metrics rows, none after the {warmup_rows} warm-up rows")
     median, p20, p80 = median_p20_p80(step_ms(logged)[warmup_rows:])
-    peaks = [row["peak_GiB"] for row in kept if "peak_GiB" in row]
+    peaks = [row["mem_peak_GiB"] for row in kept if "mem_peak_GiB" in row]
     config = OmegaConf.load(glob.glob(os.path.join(run_dir, ".hydra", "*", "config.yaml"))[0])
     shape = (f"{model}_packed_B{config.train.batch_size}_T{config.data.max_length}_r{config.lora.r}"
              f"_p{config.lora.dropout:g}")

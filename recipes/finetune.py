@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from lorafuse.train import ConfigError, Finetune, NonFiniteLoss, register_configs
+from lorafuse.train.config import check_override_keys
 from lorafuse.train.data import DataError
 
 register_configs()
@@ -44,5 +45,17 @@ def main(cfg: DictConfig) -> float | None:
     return summary.get("eval_loss")
 
 
+def refuse_unknown_keys() -> None:
+    """A command-line key the schema lacks, with or without `+`, stops here with exit code 2, before Hydra composes:
+    Hydra would take `+train.foo=1` in silently, and refuse `train.foo=1` without naming the keys allowed."""
+    try:
+        # key=value, +key=value, ~key: Hydra's own options (-m, --config-name NAME, ...) start with "-" or hold no "="
+        check_override_keys([arg for arg in sys.argv[1:] if not arg.startswith("-") and ("=" in arg or arg[:1] == "~")])
+    except ConfigError as err:
+        print(f"ConfigError: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
+    refuse_unknown_keys()
     main()

@@ -14,8 +14,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from lorafuse.hf.loading import ModelLoadError
-from lorafuse.inference.build import build_engine
-from lorafuse.inference.config import register_configs
+from lorafuse.inference.build import build_engine, served_model_name
+from lorafuse.inference.config import check_serve_config, register_configs
 from lorafuse.inference.server import LorafuseServer
 
 register_configs()
@@ -26,13 +26,20 @@ logger = logging.getLogger("lorafuse.serve")
 def main(cfg: DictConfig) -> None:
     cfg = OmegaConf.to_object(cfg)
     try:
+        check_serve_config(cfg)
         engine, tokenizer = build_engine(cfg.model, cfg.engine)
     except (ModelLoadError, ValueError) as err:
         logger.error("%s: %s", type(err).__name__, err)
         raise SystemExit(2) from None
-    server = LorafuseServer(engine, tokenizer, host=cfg.host, port=cfg.port,
-                            model_name=cfg.model_name or cfg.model.name_or_path, max_length=cfg.engine.max_length,
-                            max_new_tokens=cfg.max_new_tokens, max_batch=max(engine.buckets))
+    try:
+        server = LorafuseServer(engine, tokenizer, host=cfg.host, port=cfg.port,
+                                model_name=cfg.model_name or served_model_name(cfg.model.name_or_path),
+                                max_length=cfg.engine.max_length, max_new_tokens=cfg.max_new_tokens,
+                                max_batch=max(engine.buckets), request_timeout=cfg.request_timeout,
+                                max_connections=cfg.max_connections)
+    except OSError as err:  # the port is taken, or the host is none of this machine's
+        logger.error("cannot listen on %s:%d: %s (set host= or port=)", cfg.host, cfg.port, err.strerror or err)
+        raise SystemExit(2) from None
     host, port = server.server_address[:2]
     logger.info("serving %s on http://%s:%d (buckets %s, CUDA graphs %s)", cfg.model.name_or_path, host, port,
                 engine.buckets, engine.cuda_graphs)

@@ -1,7 +1,12 @@
 """An Engine and its tokenizer from the recipes' config: the model loaded (or built from its config), the adapter
 applied with fused LoRA layers, moved to the GPU when there is one."""
+import json
+import os
+from pathlib import Path
+
 import torch
 
+from .._paths import looks_local
 from ..hf import loading
 from .config import EngineConfig, InferenceModelConfig, SamplingConfig
 from .engine import Engine
@@ -10,6 +15,7 @@ from .sampling import SamplingParams
 
 def build_engine(model_cfg: InferenceModelConfig, engine_cfg: EngineConfig):
     """(engine, tokenizer)."""
+    check_adapter_configs(model_cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = loading.DTYPES.get(model_cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokenizer = loading.load_tokenizer(model_cfg.tokenizer or model_cfg.name_or_path, model_cfg.trust_remote_code)
@@ -30,6 +36,32 @@ def build_engine(model_cfg: InferenceModelConfig, engine_cfg: EngineConfig):
         raise ValueError(f"model.adapters={dict(model_cfg.adapters)}: this engine cannot run other adapters than the "
                          f"active one (it needs the fused decode step, which declined: {engine.fused_step_reason})")
     return engine, tokenizer
+
+
+def check_adapter_configs(model_cfg: InferenceModelConfig) -> None:
+    """Each local adapter's adapter_config.json reads as a JSON object, checked before the model loads: PEFT's own
+    error for a corrupt one names no file."""
+    named = [("model.adapter", model_cfg.adapter)] if model_cfg.adapter is not None else []
+    named += [(f"model.adapters.{name}", directory) for name, directory in model_cfg.adapters.items()]
+    for key, directory in named:
+        path = Path(directory).expanduser() / "adapter_config.json"
+        if not path.is_file():  # a Hub id, or missing: PEFT's error names the directory
+            continue
+        try:
+            config = json.loads(path.read_bytes())
+        except (OSError, ValueError) as err:
+            raise loading.ModelLoadError(f"{key}: {path} cannot be read as JSON ({err})") from err
+        if not isinstance(config, dict):
+            raise loading.ModelLoadError(f"{key}: {path} must hold a JSON object of LoRA settings, not a "
+                                         f"{type(config).__name__}")
+
+
+def served_model_name(name_or_path: str) -> str:
+    """The name the server answers to by default: a local model directory's own name (its path is not sent to
+    clients), or the Hub id."""
+    if not looks_local(name_or_path):
+        return name_or_path
+    return os.path.basename(os.path.abspath(os.path.expanduser(name_or_path)))
 
 
 def sampling_params(cfg: SamplingConfig) -> SamplingParams:

@@ -60,8 +60,20 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 8000
-    model_name: Optional[str] = None   # the "model" field of answers; defaults to model.name_or_path
+    model_name: Optional[str] = None   # the "model" field of answers; defaults to the model directory's name
     max_new_tokens: int = 512          # the largest max_tokens a request may ask for
+    request_timeout: float = 30.0      # seconds a client may stay silent while it sends a request, or between requests
+    max_connections: int = 64          # open at once; beyond, a client gets a 503
+
+
+def check_serve_config(cfg: ServeConfig) -> None:
+    """What the schema's types cannot check: the port's range and the limits' signs."""
+    if not 0 <= cfg.port <= 65535:
+        raise ValueError(f"port={cfg.port}: must be from 0 to 65535 (0: any free port)")
+    for key, value in (("max_new_tokens", cfg.max_new_tokens), ("request_timeout", cfg.request_timeout),
+                       ("max_connections", cfg.max_connections)):
+        if not value > 0:
+            raise ValueError(f"{key}={value}: must be > 0")
 
 
 def register_configs() -> None:

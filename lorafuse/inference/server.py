@@ -14,10 +14,17 @@ made, the one that completed the stop string included.
 A request's "model" picks the LoRA adapter, as vLLM serves its LoRA modules: the server's model_name (or no "model")
 runs the engine's active adapter, an adapter's name that adapter, and GET /v1/models lists them all. Adapters are
 offered only where the engine runs rows with different adapters in one batch (Engine.mixes_adapters).
+
+Connections are bounded: each has its thread, up to max_connections at once (beyond, a 503 and the connection
+closed); a client silent for request_timeout seconds while it sends a request, or between requests, is dropped (a
+body that stops coming gets a 408). A client that goes away is one line in the log.
 """
+import contextlib
 import json
 import logging
 import queue
+import re
+import sys
 import threading
 import time
 import uuid
@@ -31,12 +38,15 @@ from .sampling import SamplingParams
 
 logger = logging.getLogger("lorafuse.serve")
 MAX_BODY_BYTES = 1 << 20
+MAX_LENGTH_DIGITS = 18  # a longer Content-Length cannot be a body this server reads, and int() may refuse it
 MAX_TOP_K = (1 << 31) - 1
 # Fields of OpenAI's API that this server does not implement, with the values that ask for nothing (sent by many
 # clients as defaults): any other value is refused rather than silently ignored.
 UNSUPPORTED = {"echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,),
                "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
                "tools": ([],), "response_format": ({"type": "text"},)}
+# JSON's \u escapes can leave a lone surrogate in a string: no text (UTF-8 cannot encode it); tokenizers refuse it
+LONE_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 class RequestError(ValueError):
@@ -108,10 +118,17 @@ def requested_adapter(body: dict, model_name: str, adapters: tuple[str, ...]) ->
     return model
 
 
+def _check_text(text: str, name: str, param: str) -> None:
+    if LONE_SURROGATE.search(text):
+        raise RequestError(f"{name} holds a lone surrogate (a \\ud800-\\udfff escape without its pair), which is "
+                           "not text", param=param)
+
+
 def completion_prompt(body: dict, tokenizer) -> list[int]:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("'prompt' must be a non-empty string", param="prompt")
+    _check_text(prompt, "'prompt'", "prompt")
     return tokenizer.encode(prompt)
 
 
@@ -124,8 +141,10 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
                 and isinstance(message.get("content"), str)):
             raise RequestError(f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': str}}",
                                param="messages")
+        _check_text(message["content"], f"messages[{i}].content", "messages")
     try:
-        return encode_messages(tokenizer, messages)
+        # role and content only: the chat template is not fed other keys, whose types nothing here checks
+        return encode_messages(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
     except PromptError as err:
         raise RequestError(f"{err}", param="messages") from err
 
@@ -185,6 +204,10 @@ class _Handler(BaseHTTPRequestHandler):
     server: "LorafuseServer"
     protocol_version = "HTTP/1.1"
 
+    def setup(self):
+        self.timeout = self.server.request_timeout  # StreamRequestHandler.setup puts it on the socket
+        super().setup()
+
     def log_message(self, format, *args):  # noqa: A002 - http.server's signature
         logger.info("%s %s", self.address_string(), format % args)
 
@@ -220,24 +243,43 @@ class _Handler(BaseHTTPRequestHandler):
         answer = _Answer(chat, adapter or self.server.model_name, TextStream(self.server.tokenizer, params.stop))
         try:
             (self._stream if stream else self._whole)(job, answer)
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # the client went away or stopped reading: logged in one line (handle_error, http.server)
             job.gone = True
-            self.close_connection = True
+            raise
 
     def _body(self) -> dict:
-        length = self.headers.get("Content-Length") or "0"
-        if not length.isdigit():
-            raise RequestError(f"Content-Length must be a number of bytes, got {length!r}")
-        if int(length) > MAX_BODY_BYTES:
-            raise RequestError(f"the body is larger than {MAX_BODY_BYTES} bytes",
-                               status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        if "Transfer-Encoding" in self.headers:
+            raise RequestError("a chunked body is not read: send the body with a Content-Length",
+                               status=HTTPStatus.LENGTH_REQUIRED)
+        length = self._content_length()
         try:
-            body = json.loads(self.rfile.read(int(length)) or b"null")
+            data = self.rfile.read(length)
+        except TimeoutError:
+            raise RequestError(f"the body did not come: the client sent nothing for {self.timeout:g} s",
+                               status=HTTPStatus.REQUEST_TIMEOUT) from None
+        if len(data) < length:
+            raise ConnectionAbortedError(f"the client closed the connection after {len(data)} of the {length} "
+                                         "bytes of its body")
+        try:
+            body = json.loads(data or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise RequestError(f"the body is not valid JSON: {type(err).__name__}: {err}") from err
+        except ValueError as err:  # an integer longer than int() converts
+            raise RequestError(f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                               "which this server does not read") from err
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         return body
+
+    def _content_length(self) -> int:
+        text = self.headers.get("Content-Length") or "0"
+        if not (text.isascii() and text.isdigit()) or len(text) > MAX_LENGTH_DIGITS:
+            shown = repr(text) if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)"
+            raise RequestError(f"Content-Length must be a number of bytes, got {shown}")
+        if int(text) > MAX_BODY_BYTES:
+            raise RequestError(f"the body is larger than {MAX_BODY_BYTES} bytes",
+                               status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        return int(text)
 
     def _whole(self, job: Job, answer: "_Answer") -> None:
         ids, reason, error = _collect(job)
@@ -340,13 +382,17 @@ class _Answer:
 
 
 class LorafuseServer(ThreadingHTTPServer):
-    """The HTTP server: `serve_forever()` in the caller's thread, `shutdown()` from another."""
+    """The HTTP server: `serve_forever()` in the caller's thread, `shutdown()` from another. At most
+    `max_connections` connections are open at once; `request_timeout` is each socket's timeout in seconds."""
     daemon_threads = True
 
     def __init__(self, engine, tokenizer, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "lorafuse",
-                 max_length: int, max_new_tokens: int, max_batch: int):
+                 max_length: int, max_new_tokens: int, max_batch: int, request_timeout: float = 30.0,
+                 max_connections: int = 64):
         super().__init__((host, port), _Handler)
         self.tokenizer, self.model_name = tokenizer, model_name
+        self.request_timeout, self.max_connections = request_timeout, max_connections
+        self.connection_slots = threading.BoundedSemaphore(max_connections)
         # the adapters a request may name besides the served model (its active adapter is that model itself): only
         # where the engine runs them side by side in a batch
         self.adapters = engine.adapter_names if len(engine.adapter_names) > 1 and engine.mixes_adapters else ()
@@ -356,3 +402,39 @@ class LorafuseServer(ThreadingHTTPServer):
         self.max_length, self.max_new_tokens = max_length, max_new_tokens
         self.batcher = Batcher(engine, max_batch)
         self.batcher.start()
+
+    def process_request(self, request, client_address) -> None:
+        """Starts the connection's thread, or, with max_connections open, answers 503 and closes."""
+        if self.connection_slots.acquire(blocking=False):
+            return super().process_request(request, client_address)
+        logger.warning("%s: refused, %d connections are open (the limit, max_connections)", client_address[0],
+                       self.max_connections)
+        self._refuse(request)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connection_slots.release()
+
+    def _refuse(self, request) -> None:
+        """The 503, sent from the accepting thread: a new socket's send buffer takes it at once."""
+        message = f"the server is busy: {self.max_connections} connections are open, its limit; retry later"
+        data = json.dumps(_error_body(message, "server_error")).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+                "\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
+        request.setblocking(False)
+        with contextlib.suppress(OSError):  # nothing came yet
+            request.recv(1 << 16)  # the request, read: closed unread, the socket could reset before the client reads
+        with contextlib.suppress(OSError):  # the client is gone already
+            request.sendall(head.encode() + data)
+        self.shutdown_request(request)
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away is one line in the log (http.server logs a timeout so itself); anything else is
+        a bug, logged with its traceback."""
+        err = sys.exc_info()[1]
+        if isinstance(err, ConnectionError):
+            logger.info("%s: the client went away (%s: %s)", client_address[0], type(err).__name__, err)
+        else:
+            logger.exception("the handler of %s failed", client_address[0])

@@ -2,13 +2,18 @@
 
 `conf/finetune.yaml` picks one file per group (conf/model/, conf/data/, ...); each file fills the
 dataclass of its group, so that Hydra rejects unknown keys and wrong types at start-up, naming the key,
-and enums name their allowed values.
+and enums name their allowed values. Keys given on the command line are checked by check_override_keys, which the
+recipe runs before Hydra: Hydra takes `+train.foo=1` in, and the schema then ignores it.
 """
+import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import MISSING
 
 from .._paths import register_asset_resolver
@@ -125,6 +130,8 @@ class TrainConfig:
     resume: Any = False                 # true: the latest checkpoint of run_dir; or a checkpoint directory. Data,
                                         # lora, optim settings, the resolved model.dtype and precision, and the
                                         # global batch must match the checkpoint's
+    resume_lenient: bool = False        # with resume: an optimizer, scheduler or RNG file that cannot be read is
+                                        # replaced by this run's starting state, with a warning, instead of stopping
     on_nonfinite: OnNonFinite = OnNonFinite.stop
     max_skipped_steps: int = 10         # with on_nonfinite=skip: this many non-finite steps in a row stop the run
     profile_steps: int = 0              # >0: record this many steps with torch.profiler (Chrome trace, top kernels)
@@ -132,6 +139,8 @@ class TrainConfig:
     num_workers: int = 0                # DataLoader workers
     cuda_graphs: Any = "auto"           # auto, true or false (CudaGraphs): the training step captured as one CUDA
                                         # graph. Typed Any because Hydra reads true and false as booleans
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # accelerate's trackers the metrics also go
+                                        # to: tensorboard (run_dir/tensorboard), wandb, mlflow; or [none]
 
 
 @dataclass
@@ -203,8 +212,27 @@ def validate(cfg: FinetuneConfig) -> None:
     if cfg.lora.bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"lora.bias={cfg.lora.bias!r}: allowed values are none, all, lora_only")
     cuda_graphs_setting(cfg.train.cuda_graphs)
+    check_report_to(cfg.train.report_to)
     if not isinstance(cfg.train.resume, (bool, str)):
         raise ConfigError(f"train.resume={cfg.train.resume!r}: true, false, or the path of a checkpoint directory")
+
+
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # each tracker's package
+
+
+def check_report_to(trackers: list[str]) -> None:
+    """train.report_to names known trackers (or none, alone), each of whose package is installed: a missing one
+    stops the run here, before anything loads, rather than when accelerate starts the trackers."""
+    allowed = [*TRACKER_PACKAGES, "none"]
+    if not trackers or any(name not in allowed for name in trackers):
+        raise ConfigError(f"train.report_to={list(trackers)}: a list of {', '.join(allowed)}, e.g. [tensorboard,wandb]")
+    if "none" in trackers and len(trackers) > 1:
+        raise ConfigError(f"train.report_to={list(trackers)}: none reports to no tracker, so it stands alone: [none]")
+    for name in trackers:
+        package = TRACKER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"train.report_to: {name} needs the {package} package, which is not installed: "
+                              f"pip install {package}, or leave {name} out of train.report_to")
 
 
 def cuda_graphs_setting(value: Any) -> CudaGraphs:
@@ -223,3 +251,31 @@ def _check_module_names(key: str, value: Any, also_allowed: str) -> None:
         return
     raise ConfigError(f"{key}={value!r}: a list of module names (e.g. [q_proj,v_proj]), a regex string matching "
                       f"module names, {also_allowed}")
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Each command-line override (`key=value`, `+key=value`, `~key`, ...) names a key of the schema; hydra.* keys
+    and config group paths are Hydra's to check."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        return  # Hydra says what is malformed
+    for override in parsed:
+        key = override.key_or_group
+        if key.split(".")[0] != "hydra" and "/" not in key:  # "/": a config group's path, which Hydra checks
+            _check_key(key)
+
+
+def _check_key(key: str) -> None:
+    """Each name of a dotted key is a field of its section, down to a field that is no section (model.config_overrides,
+    a dict: any key below it goes). The message starts as Hydra's does, and lists the keys allowed."""
+    section, names = FinetuneConfig, key.split(".")
+    for depth, name in enumerate(names):
+        fields = {f.name: f.type for f in dataclasses.fields(section)}
+        if name not in fields:
+            group = ".".join(names[:depth]) or "the config"
+            raise ConfigError(f"{key}: Key {name!r} not in {section.__name__!r}; the keys of {group} are "
+                              f"{', '.join(fields)}")
+        section = fields[name]
+        if not dataclasses.is_dataclass(section):
+            return

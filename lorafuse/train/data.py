@@ -11,12 +11,14 @@ predicted from the end of the previous sample.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import datasets
 import pandas as pd
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets.fingerprint import Hasher
@@ -66,9 +68,13 @@ def load_splits(cfg: DataConfig, seed: int) -> tuple[datasets.Dataset, datasets.
 
 def _load_checked(path: str, key: str, cfg: DataConfig) -> datasets.Dataset:
     rows = _load(path, key, cfg)
+    if len(rows) == 0:  # a Hub split without rows (datasets refuses local files without rows)
+        raise DataError(f"{key}: {path} holds no rows")
     _check_columns(rows, path, cfg)
     if DataFormat(cfg.format) is DataFormat.text:
         _check_text_cells(rows, path, cfg.text_column)
+    if DataFormat(cfg.format) is DataFormat.chat:
+        _check_chat_cells(rows, path, cfg.messages_column)
     return rows
 
 
@@ -103,17 +109,77 @@ def _load_files(files: list[Path], key: str, path: str, cache_dir: str | None) -
     if len(builders) > 1:
         raise DataError(f"{key}: the directory {path} mixes file types ({', '.join(sorted(builders))}); "
                         "keep files of one type")
-    empty = [f.name for f in files if f.stat().st_size == 0]
-    if empty:
-        raise DataError(f"{key}: {path} holds no rows ({', '.join(empty)}: an empty file)")
     builder = builders.pop()
+    for file in files:
+        if file.stat().st_size == 0:
+            raise DataError(f"{key}: {path} holds no rows ({file.name}: an empty file)")
+        if builder != "parquet":
+            _check_text_file(file, key, path)
     try:
         options = _csv_options(files[0]) if builder == "csv" else {}
         return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir,
                                      **options)
     except Exception as err:  # noqa: BLE001 - a malformed file: its name, and what the reader said
+        malformed = _first_json_error(files) if builder == "json" else None
+        if malformed:
+            raise DataError(f"{key}: {malformed}") from err
         cause = err.__cause__ or err  # datasets wraps the reader's error in a DatasetGenerationError
         raise DataError(f"{key}: {path} could not be read as {builder}: {type(cause).__name__}: {cause}") from err
+
+
+def _check_text_file(file: Path, key: str, path: str) -> None:
+    """A JSON or CSV file is UTF-8 text with a row in it: not blank lines only, nor a CSV header only. datasets'
+    readers name neither the file nor the line, and pyarrow's JSON reader takes bytes that are not UTF-8 in as text,
+    to fail only when tokenizing."""
+    text_lines, line = 0, 1  # lines with more than whitespace, counted up to 2
+    with file.open("rb") as stream:
+        while chunk := stream.read(1 << 24) + stream.readline():  # whole lines: no character split between chunks
+            try:
+                chunk.decode("utf-8")
+            except UnicodeDecodeError as err:
+                line += chunk.count(b"\n", 0, err.start)
+                raise DataError(f"{key}: {file}, line {line}: not UTF-8 text (byte {chunk[err.start]:#04x}); save "
+                                "the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            if text_lines < 2 and (content := chunk.strip()):
+                text_lines += 1 + (b"\n" in content)
+            line += chunk.count(b"\n")
+    if text_lines == 0:
+        raise DataError(f"{key}: {path} holds no rows ({file.name}: blank lines only)")
+    if text_lines == 1 and BUILDERS[file.suffix.lower()] == "csv":
+        raise DataError(f"{key}: {path} holds no rows ({file.name}: a CSV header only)")
+
+
+def _first_json_error(files: list[Path]) -> str | None:
+    """The file and line of the first malformed JSON in `files` (pyarrow's reader names a byte position only), or an
+    empty JSON array; None where Python's json reads them all."""
+    for file in files:
+        with file.open(encoding="utf-8-sig") as lines:  # -sig: a leading byte order mark is no JSON error
+            if lines.read(4096).lstrip().startswith("["):  # one JSON array, not JSON Lines
+                lines.seek(0)
+                try:
+                    rows = json.load(lines)
+                except json.JSONDecodeError as err:
+                    return f"{file} could not be read as json: line {err.lineno}: {err.msg} (column {err.colno})"
+                if not rows:
+                    return f"{file} holds no rows (an empty JSON array)"
+                continue
+            lines.seek(0)
+            for number, text in enumerate(lines, 1):
+                problem = _json_line_problem(text)
+                if problem:
+                    return f"{file} could not be read as json: line {number}: {problem}"
+    return None
+
+
+def _json_line_problem(text: str) -> str | None:
+    """What is wrong with one line of a JSON Lines file: each holds an object, or nothing."""
+    if not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"{err.msg} (column {err.colno})"
+    return None if isinstance(value, dict) else f"expected a JSON object, found {type(value).__name__}"
 
 
 def _csv_options(first_file: Path) -> dict:
@@ -155,9 +221,40 @@ def _check_text_cells(rows: datasets.Dataset, source: str, column: str) -> None:
     value = rows[row][column]
     found = "null (an empty cell, or no such key in that row)" if value is None else \
         f"{type(value).__name__} {value!r:.100}"
-    where = " (counting the rows of its files in name order)" if Path(source).expanduser().is_dir() else ""
-    raise DataError(f"{source}: row {row + 1}{where}, column {column!r} (data.text_column): expected a string, "
+    raise DataError(f"{source}: {_row_name(row, source)}, column {column!r} (data.text_column): expected a string, "
                     f"found {found}; fix or remove that row")
+
+
+def _check_chat_cells(rows: datasets.Dataset, source: str, column: str) -> None:
+    """Every row of the messages column holds {role, content} messages. Checked as loaded, as _check_text_cells is,
+    so that the row named is the row of the file."""
+    if _messages_all_set(rows.data.column(column)):
+        return
+    for row, messages in enumerate(rows[column]):
+        problem = _messages_problem(messages)
+        if problem:
+            raise DataError(f"{source}: {_row_name(row, source)}, column {column!r} (data.messages_column): "
+                            f"{problem}; fix or remove that row")
+
+
+def _messages_all_set(cells: pa.ChunkedArray) -> bool:
+    """Whether every cell is a list of messages with a role and a content string, from Arrow's types and null counts
+    (no pass in Python). False for other types too: datasets' Json type for messages of mixed keys, say."""
+    if not (pa.types.is_list(cells.type) or pa.types.is_large_list(cells.type)):
+        return False
+    message, text = cells.type.value_type, (pa.string(), pa.large_string())
+    fields = {field.name: field.type for field in message} if pa.types.is_struct(message) else {}
+    if not (fields.get("role") in text and fields.get("content") in text):
+        return False
+    messages = pc.list_flatten(cells)
+    return cells.null_count == messages.null_count == 0 and all(
+        pc.struct_field(messages, key).null_count == 0 for key in ("role", "content"))
+
+
+def _row_name(row: int, source: str) -> str:
+    """Row `row` (from 0) of the rows loaded from `source`, as a user counts them."""
+    where = " (counting the rows of its files in name order)" if Path(source).expanduser().is_dir() else ""
+    return f"row {row + 1}{where}"
 
 
 # --- tokenizing -------------------------------------------------------------------------------------
@@ -170,11 +267,16 @@ def tokenize(rows: datasets.Dataset, cfg: DataConfig, tokenizer, source: str | N
     the alpaca prompt; chat: the messages through the chat template; text: bos + text + eos. Loss on the
     responses (assistant messages with their end token) only, unless cfg.train_on_prompt; on every token
     for text. Samples left with no loss-bearing token (after truncation) are dropped. Both are logged, once per
-    call: how many samples were dropped, and how many were truncated and by how many tokens.
+    call: how many samples were dropped, and how many were truncated and by how many tokens. None left: DataError.
     """
-    render = _renderer(cfg, tokenizer, source or cfg.path)
+    source = source or cfg.path
+    render = _renderer(cfg, tokenizer, source)
     tokenized = _map(rows, _tokenize_batch, "Tokenizing", render=render, tokenizer=tokenizer,
                      train_on_prompt=cfg.train_on_prompt, max_length=cfg.max_length)
+    if len(tokenized) == 0:
+        raise DataError(f"{source}: no sample left after tokenizing ({len(rows)} rows read, 0 left): none keeps a "
+                        f"token to take loss on within data.max_length={cfg.max_length}; raise data.max_length, or "
+                        "check that the rows hold responses")
     dropped = len(rows) - len(tokenized)
     if dropped:
         logger.warning(f"dropped {dropped} of {len(rows)} samples: no token left to take loss on "
@@ -285,15 +387,22 @@ def _render_instruction(row: dict, columns: tuple[str, str, str], tokenizer) -> 
 
 def _render_chat(row: dict, column: str, tokenizer, source: str) -> _Rendered:
     messages = row[column]
+    problem = _messages_problem(messages)  # checked at loading too, for rows given to tokenize directly
+    if problem:
+        raise DataError(f"{source}: data.messages_column={column}: {problem}")
+    return _render_conversation(messages, tokenizer)
+
+
+def _messages_problem(messages) -> str | None:
+    """What makes a cell of the messages column unusable, or None."""
     if not isinstance(messages, list):
-        raise DataError(f"{source}: data.messages_column={column}: expected a list of {{role, content}} messages, "
-                        f"found {type(messages).__name__}: {messages!r:.200}")
+        return f"expected a list of {{role, content}} messages, found {type(messages).__name__}: {messages!r:.200}"
     for message in messages:
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
-            raise DataError(f"{source}: data.messages_column={column}: each message needs a \"role\" and a \"content\" "
-                            f"string, found {message!r:.200} in {messages!r:.300}")
-    return _render_conversation(messages, tokenizer)
+            return (f"each message needs a \"role\" and a \"content\" string, found {message!r:.200} "
+                    f"in {messages!r:.300}")
+    return None
 
 
 def _render_conversation(messages: list[dict], tokenizer) -> _Rendered:
@@ -380,7 +489,7 @@ class Collator:
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """load_splits -> tokenize -> pack (when cfg.packing), train and eval alike; rows are plain Python lists."""
     train, evaluation = load_splits(cfg, seed)
-    eval_source = cfg.eval_path or cfg.path
+    eval_source = cfg.eval_path or f"{cfg.path} (its eval rows, data.eval_fraction={cfg.eval_fraction})"
     return (_prepare(train, cfg, tokenizer, cfg.path),
             None if evaluation is None else _prepare(evaluation, cfg, tokenizer, eval_source))
 

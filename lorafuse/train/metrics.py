@@ -1,37 +1,65 @@
-"""Where training metrics go: `metrics.jsonl` and TensorBoard in the run directory (main process only), and the
-loss-curve PNG drawn from the JSON lines at the end."""
+"""Where training metrics go: `metrics.jsonl` in the run directory and accelerate's trackers (train.report_to:
+TensorBoard in run_dir/tensorboard by default), main process only; and the loss-curve PNG drawn from the JSON lines
+at the end."""
 import json
 import math
 import os
 from pathlib import Path
 
-from torch.utils.tensorboard import SummaryWriter
+import torch
+from accelerate import Accelerator
+from accelerate.tracking import GeneralTracker, MLflowTracker, WandBTracker
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"  # written last: a run has finished when its summary is of its last step
+# accelerate's TensorBoard tracker writes to <logging_dir>/<project name>: with the run directory as logging_dir
+# (trainer.py), this name puts the events in run_dir/tensorboard.
+TENSORBOARD_PROJECT = "tensorboard"
+PROJECT = "lorafuse"  # the W&B project and the MLflow experiment (MLFLOW_EXPERIMENT_NAME overrides it)
+
+
+def trackers(report_to: list[str], run_dir: str | Path) -> list[str | GeneralTracker] | None:
+    """Accelerator's log_with for train.report_to: TensorBoard by name (MetricsLog starts it); W&B and MLflow built
+    here, so that they take lorafuse's project name rather than TensorBoard's directory name, and their run is named
+    after the run directory. None for [none]."""
+    run_name = Path(run_dir).name
+    built = {"tensorboard": lambda: "tensorboard",
+             "wandb": lambda: WandBTracker(PROJECT, name=run_name),
+             "mlflow": lambda: MLflowTracker(PROJECT, run_name=run_name)}
+    return [built[name]() for name in report_to if name != "none"] or None
 
 
 class MetricsLog:
-    """One JSON object per logged step in `metrics.jsonl`, each number also a TensorBoard scalar.
+    """One JSON object per logged step in `metrics.jsonl`, each also logged to the accelerator's trackers.
 
     On resume from step `resumed_from`, rows after it (logged by the interrupted run past its last
-    checkpoint) are dropped from both, so that the files read as one uninterrupted run.
+    checkpoint) are dropped from both (TensorBoard's by purge_step), so that they read as one uninterrupted run.
+    The trackers are ended by accelerator.end_training().
     """
 
-    def __init__(self, run_dir: str | Path, resumed_from: int = 0):
+    def __init__(self, run_dir: str | Path, accelerator: Accelerator, resumed_from: int = 0):
         self.path = Path(run_dir) / METRICS_FILE
+        self.accelerator = accelerator
         rows = read_metrics(self.path) if resumed_from else []
         self.path.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= resumed_from))
-        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resumed_from + 1)
+        accelerator.init_trackers(TENSORBOARD_PROJECT, init_kwargs={"tensorboard": {"purge_step": resumed_from + 1}})
 
     def log(self, step: int, **values: float) -> None:
         with self.path.open("a") as handle:
             handle.write(json.dumps({"step": step, **values}) + "\n")
-        for name, value in values.items():
-            self.tensorboard.add_scalar(name, value, step)
+        self.accelerator.log(values, step=step)
 
-    def close(self) -> None:
-        self.tensorboard.close()
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """The GPU memory part of a log row, in GiB: allocated and reserved now, and the peak allocated since the previous
+    call, whose window it closes by resetting the peak counter. Empty off CUDA. The allocator's own counts: no sync."""
+    if device.type != "cuda":
+        return {}
+    stats = {"mem_allocated_GiB": torch.cuda.memory_allocated(device) / 2**30,
+             "mem_reserved_GiB": torch.cuda.memory_reserved(device) / 2**30,
+             "mem_peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -1,8 +1,10 @@
 """AdamW over the trainable parameters, and the learning-rate schedule: linear warmup, then cosine or linear decay
 toward lr * min_lr_ratio, or a constant lr. The decay reaches its end one step after the last, as transformers' and
 torchtune's schedules do (the scheduler steps after each optimizer step): the last step runs just above the minimum,
-and a run of one step at the full rate. `make_capturable` readies the optimizer for a captured step."""
+and a run of one step at the full rate. A run resumed with another train.max_steps continues its decay from the rate
+its last step ran at (`Schedule.continued`). `make_capturable` readies the optimizer for a captured step."""
 import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -60,16 +62,50 @@ def _eager_form(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     return state_dict
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """Where a run's decay goes: from `start_factor` at step `decay_start` (0-based; None: the end of warmup, at the
+    full rate) to min_lr_ratio one step after the last of `total_steps`. Saved with each checkpoint."""
+    total_steps: int
+    decay_start: int | None = None
+    start_factor: float = 1.0
+
+    def factor(self, step: int, cfg: OptimConfig) -> float:
+        """The multiplier of cfg.lr for optimizer step `step` (0-based)."""
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.scheduler is Scheduler.constant:
+            return 1.0
+        start = cfg.warmup_steps if self.decay_start is None else self.decay_start
+        progress = min(1.0, (step - start) / max(1, self.total_steps - start))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.scheduler is Scheduler.cosine else 1 - progress
+        return cfg.min_lr_ratio + (self.start_factor - cfg.min_lr_ratio) * decay
+
+    def continued(self, steps_done: int, total_steps: int, cfg: OptimConfig) -> "Schedule":
+        """This schedule after `steps_done` steps, run to `total_steps` instead: the decay starts again from the rate
+        of the last step done, so that the rate does not jump. A warmup not yet finished is finished first (it does
+        not depend on the total), and the decay then runs over the new total."""
+        if total_steps == self.total_steps:
+            return self
+        if steps_done <= cfg.warmup_steps:
+            return replace(self, total_steps=total_steps)
+        return Schedule(total_steps, steps_done - 1, self.factor(steps_done - 1, cfg))
+
+
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """The multiplier of cfg.lr for optimizer step `step` (0-based) of `total_steps`."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.scheduler is Scheduler.constant:
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.scheduler is Scheduler.cosine else 1 - progress
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+    """The multiplier of cfg.lr for optimizer step `step` (0-based) of a fresh run of `total_steps`."""
+    return Schedule(total_steps).factor(step, cfg)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+
+
+def resume_schedule(scheduler: LambdaLR, schedule: Schedule, cfg: OptimConfig, steps_done: int) -> None:
+    """Sets `scheduler` to follow `schedule` after `steps_done` steps: the optimizer's rate, and the scheduler's last
+    rate, become the rate of the next step."""
+    scheduler.lr_lambdas = [lambda step: schedule.factor(step, cfg)] * len(scheduler.lr_lambdas)
+    rates = [base * schedule.factor(steps_done, cfg) for base in scheduler.base_lrs]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": steps_done, "_last_lr": rates})

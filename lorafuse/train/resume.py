@@ -1,8 +1,9 @@
 """Which checkpoint a run continues from, and the refusals that keep a resumed run the same run.
 
-A run directory belongs to one run: a fresh start refuses one that holds checkpoints, a run resumed from another
-run's checkpoint refuses one too, and a resumed run must keep the settings that decide its base model, data order,
-adapter and optimizer state (`fixed_settings`), and have steps left, or final files left to write.
+A run directory belongs to one run: a fresh start refuses one that holds a started or finished run (`run_files`:
+checkpoints, metrics, the adapter, ...), a run resumed from another run's checkpoint refuses one too, and a resumed
+run must keep the settings that decide its base model, data order, adapter and optimizer state (`fixed_settings`), and
+have steps left, or final files left to write.
 """
 import json
 import logging
@@ -13,9 +14,13 @@ import torch
 
 from .checkpoint import checkpoints_dir, latest_checkpoint, read_trainer_state
 from .config import ConfigError, FinetuneConfig
-from .metrics import SUMMARY_FILE
+from .metrics import METRICS_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
+# What a run writes to its run_dir once training starts. (Hydra's config and log, and the data cache, are written
+# before: a run refused at start-up leaves them too.)
+RUN_FILES = ("checkpoints", METRICS_FILE, SUMMARY_FILE, "adapter", "merged", "loss_curve.png", "tensorboard",
+             "profile")
 
 
 def fixed_settings(cfg: FinetuneConfig, processes: int, precision: str, storage_dtype: torch.dtype) -> dict:
@@ -45,9 +50,7 @@ def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> 
     `settings` (fixed_settings of this run)."""
     resume = cfg.train.resume
     if resume in (False, "false", "False"):
-        if latest_checkpoint(run_dir) is not None:
-            raise ConfigError(f"run_dir={run_dir} already holds checkpoints: continue that run with "
-                              "train.resume=true, or start this one in another run_dir")
+        _refuse_a_used_run_dir(run_dir)
         return None
     checkpoint = latest_checkpoint(run_dir) if resume in (True, "true", "True") else Path(resume)
     if checkpoint is None:
@@ -58,9 +61,11 @@ def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> 
         raise ConfigError(f"train.resume={resume}: not a checkpoint (a step-N directory under "
                           "<run_dir>/checkpoints, holding trainer_state.json)")
     own = checkpoint.resolve().parent == checkpoints_dir(run_dir).resolve()
-    if not own and latest_checkpoint(run_dir) is not None:
-        raise ConfigError(f"train.resume={resume}: run_dir={run_dir} holds checkpoints of its own run; continue "
-                          "another run's checkpoint in a fresh run_dir, so that the two runs' metrics and "
+    listing = ", ".join(run_files(run_dir))
+    if not own and listing:
+        held = "checkpoints" if latest_checkpoint(run_dir) is not None else "files"
+        raise ConfigError(f"train.resume={resume}: run_dir={run_dir} holds {held} of its own run ({listing}); "
+                          "continue another run's checkpoint in a fresh run_dir, so that the two runs' metrics and "
                           "checkpoints stay apart")
     # A run whose training ended but whose last files were not all written (a crash while merging, say) resumes
     # its final checkpoint to write them. The summary is written last, so the run is unfinished unless a summary of
@@ -80,6 +85,27 @@ def checkpoint_to_resume(cfg: FinetuneConfig, run_dir: Path, settings: dict) -> 
         raise ConfigError("train.resume: these settings differ from the checkpoint's, so the run would not "
                           "continue as it was: " + "; ".join(changed))
     return checkpoint
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """The RUN_FILES that `run_dir` holds, directories with a trailing slash (an empty one does not count)."""
+    paths = [run_dir / name for name in RUN_FILES]
+    return [path.name for path in paths if path.is_file()] + [
+        f"{path.name}/" for path in paths if path.is_dir() and any(path.iterdir())]
+
+
+def _refuse_a_used_run_dir(run_dir: Path) -> None:
+    """Refuses a fresh start in a run_dir that holds a started or finished run: the start would overwrite its metrics
+    and mix its files with the new run's."""
+    listing = ", ".join(run_files(run_dir))
+    if not listing:
+        return
+    if latest_checkpoint(run_dir) is not None:
+        raise ConfigError(f"run_dir={run_dir} already holds checkpoints: continue that run with train.resume=true, or "
+                          f"start this one in another run_dir (it holds {listing}, which a fresh run would "
+                          "overwrite)")
+    raise ConfigError(f"run_dir={run_dir} already holds a run ({listing}) and no checkpoint to continue it "
+                      "from: start this one in another run_dir, or delete those to start over there")
 
 
 def _summary_step(run_dir: Path) -> int | None:

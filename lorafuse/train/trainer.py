@@ -20,6 +20,7 @@ import math
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,8 +36,9 @@ from .captured_step import ITEMS, CapturedStep
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, publishing, save_checkpoint
 from .config import ConfigError, CudaGraphs, FinetuneConfig, OnNonFinite, Precision, cuda_graphs_setting, validate
 from .data import IGNORE, Collator, build_datasets, count_loss_tokens, count_sample_tokens
-from .metrics import METRICS_FILE, SUMMARY_FILE, MetricsLog, plot_loss_curve, read_metrics
-from .optim import build_optimizer, build_scheduler
+from .metrics import (METRICS_FILE, SUMMARY_FILE, MetricsLog, memory_stats, plot_loss_curve, read_metrics,
+                      trackers)
+from .optim import Schedule, build_optimizer, build_scheduler, resume_schedule
 from .profiling import StepProfiler
 from .resume import checkpoint_to_resume, fixed_settings
 
@@ -54,27 +56,33 @@ class Finetune:
         self._check_paths()
         precision = _resolve_precision(cfg.train.precision)
         # cpu=True without CUDA: several processes (torchrun, accelerate launch) then form a gloo group.
-        self.accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+        # log_with: the trackers MetricsLog reports to, logging under run_dir (the main process's, which logs)
+        self.accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(),
+                                       log_with=trackers(cfg.train.report_to, run_dir), project_dir=str(run_dir))
         self.run_dir = self._shared_run_dir(Path(run_dir))
         self.cuda_graphs = use_cuda_graphs(cfg, torch.cuda.is_available(), self.accelerator.num_processes, precision,
                                            self.accelerator.is_main_process)
-        set_seed(cfg.train.seed)
-        self.tokenizer, model = self._build_model(precision)
+        settings = fixed_settings(cfg, self.accelerator.num_processes, precision,
+                                  _storage_dtype(cfg.model.dtype, precision))
+        # A used run_dir or a checkpoint this run cannot continue stops it here; the data is read, tokenized and
+        # checked before the model's weights load: neither error costs a model load.
+        checkpoint = checkpoint_to_resume(cfg, self.run_dir, settings)
+        self.tokenizer = self._load_tokenizer()
         self.train_set, self.eval_set = self._build_data()
         self._check_batch_fits()
+        set_seed(cfg.train.seed)
+        model = self._build_model(precision)
         # Prepared together: under FSDP2 accelerate points the optimizer at the sharded parameters.
         self.model, self.optimizer = self.accelerator.prepare(model, build_optimizer(model, cfg.optim))
         self.takes_num_items = accepts_loss_kwargs(model)  # how its loss is normalised (_micro_batch_loss)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.accelerator.register_for_checkpointing(self.scheduler)
         keep_trainable_weights_only(self.accelerator)
-        settings = fixed_settings(cfg, self.accelerator.num_processes, precision,
-                                  _storage_dtype(cfg.model.dtype, precision))
         # log_window: the loss sum and finite steps since the last log line, saved with checkpoints so that a resumed
         # run logs the same averages as an uninterrupted one.
         self.state = {"step": 0, "tokens": 0, "skipped_steps": 0, "log_window": [0.0, 0], "config": settings}
         self._unsummed_tokens = 0  # this process's tokens not yet added to state["tokens"] (see _sum_tokens)
-        self.resumed_from = self._resume()
+        self.resumed_from = self._resume(checkpoint)
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -97,13 +105,16 @@ class Finetune:
             run_dir.rmdir()  # made by this process's Hydra, empty (the recipe keeps Hydra's files to the main one)
         return Path(shared[0])
 
+    def _load_tokenizer(self):
+        cfg = self.cfg.model
+        try:
+            return loading.load_tokenizer(cfg.tokenizer or cfg.name_or_path, cfg.trust_remote_code)
+        except loading.ModelLoadError as err:
+            raise ConfigError(f"{'model.tokenizer' if cfg.tokenizer else 'model.name_or_path'}: {err}") from err
+
     def _build_model(self, precision: str):
         cfg = self.cfg.model
         dtype = _storage_dtype(cfg.dtype, precision)
-        try:
-            tokenizer = loading.load_tokenizer(cfg.tokenizer or cfg.name_or_path, cfg.trust_remote_code)
-        except loading.ModelLoadError as err:
-            raise ConfigError(f"{'model.tokenizer' if cfg.tokenizer else 'model.name_or_path'}: {err}") from err
         try:
             model = loading.load_causal_lm(
                 cfg.name_or_path, dtype=dtype, attn_implementation=cfg.attn_implementation.value,
@@ -129,7 +140,7 @@ class Finetune:
             logger.info("model %s: %s trainable of %s parameters (%.3f%%), weights in %s, attention %s",
                         cfg.name_or_path, f"{trainable:,}", f"{total:,}", 100 * trainable / total, dtype,
                         model.config._attn_implementation)
-        return tokenizer, model
+        return model
 
     def _build_data(self):
         if self.cfg.data.cache_dir is None:  # nothing written outside the run directory unless asked
@@ -154,21 +165,40 @@ class Finetune:
                               f"(train.batch_size={train.batch_size} x {self.accelerator.num_processes} processes x "
                               f"train.grad_accum={train.grad_accum}): lower them, or give more data")
 
-    def _resume(self) -> Path | None:
-        """The checkpoint train.resume names, loaded (None: a fresh start)."""
-        checkpoint = checkpoint_to_resume(self.cfg, self.run_dir, self.state["config"])
+    def _resume(self, checkpoint: Path | None) -> Path | None:
+        """Loads checkpoint_to_resume's `checkpoint` (None: a fresh start) and sets the run's learning-rate schedule."""
         if checkpoint is None:
+            self.state["schedule"] = asdict(Schedule(self.cfg.train.max_steps))
             return None
-        self.state = load_checkpoint(self.accelerator, checkpoint)
+        self.state = load_checkpoint(self.accelerator, checkpoint, self.run_dir, self.cfg.train.resume_lenient)
+        self._continue_schedule()
         if self.accelerator.is_main_process:
             logger.info("resumed from %s at step %d", checkpoint, self.state["step"])
         return checkpoint
+
+    def _continue_schedule(self) -> None:
+        """Sets the scheduler to the checkpoint's schedule at its step, continued over train.max_steps where that
+        changed: the decay then starts again from the rate of the checkpoint's last step (Schedule.continued)."""
+        step, total, optim = self.state["step"], self.cfg.train.max_steps, self.cfg.optim
+        # a checkpoint of an earlier lorafuse records no schedule: its decay is recomputed over train.max_steps
+        saved = Schedule(**self.state.get("schedule", {"total_steps": total}))
+        schedule = saved.continued(step, total, optim)
+        # the scheduler as built, with the state the checkpoint restored, unless the schedule changed or that state was
+        # not restored (train.resume_lenient past an unreadable scheduler file)
+        if schedule != Schedule(total) or self.scheduler.last_epoch != step:
+            resume_schedule(self.scheduler, schedule, optim, step)
+        self.state["schedule"] = asdict(schedule)
+        if schedule != saved and self.accelerator.is_main_process:
+            logger.info("train.max_steps=%d, where the checkpoint's schedule ran to %d: the learning rate goes on "
+                        "from step %d's, %.3g, over the steps left", total, saved.total_steps, step,
+                        optim.lr * schedule.factor(step - 1, optim))
 
     # ---- training -----------------------------------------------------------------------------------------------
 
     def train(self) -> dict:
         start = self.state["step"]
-        log = MetricsLog(self.run_dir, resumed_from=start) if self.accelerator.is_main_process else None
+        acc = self.accelerator
+        log = MetricsLog(self.run_dir, acc, resumed_from=start) if acc.is_main_process else None
         profiler = self._profiler(self.cfg.train.max_steps - start)
         with _collector_frozen():
             self._run_steps(start, log, profiler)
@@ -361,13 +391,12 @@ class Finetune:
         row = {"loss": loss, "lr": float(lr), "grad_norm": grad_norm,
                "tokens_per_s": (self.state["tokens"] - window["tokens_before"]) / elapsed,
                "tokens": self.state["tokens"]}
-        if self.accelerator.device.type == "cuda":  # the allocator's own count: no sync
-            row["peak_GiB"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
+        row.update(memory_stats(self.accelerator.device))  # on every process: each closes its own peak window
         self.state["log_window"] = [0.0, 0]
         window.update(tokens_before=self.state["tokens"], time=time.perf_counter())
         if log is None:
             return
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **_memory_postfix(row))
         logger.info("step %d/%d  loss %.4f  lr %.3g  grad_norm %.3g  %.0f tokens/s", step, self.cfg.train.max_steps,
                     loss, row["lr"], grad_norm, row["tokens_per_s"])
         log.log(step, **row)
@@ -411,7 +440,6 @@ class Finetune:
             with publishing(adapter) as tmp:
                 shutil.copytree(checkpoint / "adapter", tmp)
                 self.tokenizer.save_pretrained(tmp)
-            log.close()
             with publishing(self.run_dir / "loss_curve.png") as tmp:
                 plot_loss_curve(self.run_dir / METRICS_FILE, tmp)
         acc.wait_for_everyone()
@@ -495,6 +523,13 @@ def _capture_blocker(cfg: FinetuneConfig, cuda: bool, precision: str) -> tuple[s
         return ("activation checkpointing saves and restores the RNG state on the host to recompute each layer",
                 "set train.activation_checkpointing=false")
     return None
+
+
+def _memory_postfix(row: dict) -> dict:
+    """The progress bar's GPU memory, allocated/reserved/peak in GiB: none off CUDA."""
+    if "mem_allocated_GiB" not in row:
+        return {}
+    return {"mem_GiB": f"{row['mem_allocated_GiB']:.1f}/{row['mem_reserved_GiB']:.1f}/{row['mem_peak_GiB']:.1f}"}
 
 
 def _logged_eval(run_dir: Path, step: int) -> dict:

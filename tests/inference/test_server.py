@@ -1,6 +1,7 @@
 """The HTTP server on 127.0.0.1, driven as clients drive it: OpenAI-shaped answers, streams, batching of
 concurrent requests, and 4xx/5xx answers that never take it down. The engine is a stand-in that answers each
 prompt with its tokens reversed, so that every answer is known exactly; the real engine has its own tests."""
+import copy
 import http.client
 import json
 import socket
@@ -50,7 +51,7 @@ def tokenizer():
 def started(engine, tokenizer):
     server = LorafuseServer(engine, tokenizer, port=0, model_name="tiny", max_length=256, max_new_tokens=64,
                             max_batch=4)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return server
 
 
@@ -185,10 +186,36 @@ def test_bad_requests_get_a_4xx_naming_the_field(server, path, body, status, par
     assert post(server, "/v1/completions", {"prompt": "still here", "max_tokens": 2})[0] == 200
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
-def test_a_body_that_is_no_json_object_gets_a_400(server, raw):
-    status, data = post(server, "/v1/completions", None, raw=raw)
-    assert status == 400 and "JSON" in json.loads(data)["error"]["message"]
+@pytest.mark.parametrize("raw,says", [
+    (b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object"), (b"\xff\xfe", "not valid JSON"),
+    (b'{"prompt": "\xff"}', "not valid JSON"),  # not UTF-8
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "digits"),  # past int()'s limit of digits
+    (b'{"prompt": "a\\ud800"}', "lone surrogate"),
+    (b'{"messages": [{"role": "user", "content": "\\udc00 b"}]}', "lone surrogate"),
+])
+def test_a_body_that_is_no_json_object_of_text_gets_a_400(server, raw, says):
+    path = "/v1/chat/completions" if b'"messages"' in raw else "/v1/completions"
+    status, data = post(server, path, None, raw=raw)
+    assert status == 400 and says in json.loads(data)["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "still here", "max_tokens": 2})[0] == 200
+
+
+def test_a_chat_template_sees_only_role_and_content(tokenizer):
+    # a template that reads a message's tool_calls, as many do: the 5 a client sent there would break it
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}"
+                               "{% for call in m.tool_calls or [] %}{{ call }}{% endfor %} | {% endfor %}")
+    server = started(ReversingEngine(tokenizer=templated), templated)
+    try:
+        message = {"role": "user", "content": "hello there"}
+        status, data = post(server, "/v1/chat/completions", {"messages": [{**message, "tool_calls": 5}],
+                                                             "max_tokens": 3})
+        prompt_ids = templated.apply_chat_template([message], tokenize=True, return_dict=False)
+        assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == expected_text(
+            templated, prompt_ids, 3)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_an_engine_failure_is_a_500_and_the_server_goes_on(server):
@@ -366,19 +393,23 @@ def test_a_chat_answer_may_fill_the_context_by_default_and_takes_max_completion_
     assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("headers,raw", [
-    ({"Content-Length": "abc"}, b"{}"),
-    ({"Content-Length": "-1"}, b"{}"),
-    ({}, b"[" * 100000),
+@pytest.mark.parametrize("headers,raw,status", [
+    ({"Content-Length": "abc"}, b"{}", 400),
+    ({"Content-Length": "-1"}, b"{}", 400),
+    ({"Content-Length": "9" * 5000}, b"{}", 400),  # past int()'s limit of digits
+    ({"Content-Length": "\u00b2"}, b"{}", 400),  # "²": a digit to str.isdigit, not to int()
+    ({"Content-Length": None, "Transfer-Encoding": "chunked"}, b"2\r\n{}\r\n0\r\n\r\n", 411),
+    ({}, b"[" * 100000, 400),
 ])
-def test_a_bad_length_or_a_body_too_deep_gets_a_400(server, headers, raw):
+def test_a_bad_length_or_a_body_too_deep_gets_a_4xx(server, headers, raw, status):
     connection = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
     connection.putrequest("POST", "/v1/completions")
     for name, value in {"Content-Length": str(len(raw)), **headers}.items():
-        connection.putheader(name, value)
+        if value is not None:  # None: the header left out
+            connection.putheader(name, value)
     connection.endheaders(raw)
     response = connection.getresponse()
-    assert response.status == 400 and json.loads(response.read())["error"]["message"]
+    assert response.status == status and json.loads(response.read())["error"]["message"]
     connection.close()
     assert post(server, "/v1/completions", {"prompt": "still here", "max_tokens": 2})[0] == 200
 

@@ -1,8 +1,10 @@
 """recipes/generate.py and recipes/serve.py as users run them: greedy text equal to transformers' generate with
 the same adapter, and a server on 127.0.0.1 (serving a second adapter beside the first) answering concurrent clients,
-with the adapter each names, and refusing malformed requests."""
+with the adapter each names, refusing malformed requests, and never sending the model's path; start-up errors of the
+server in one line."""
 import http.client
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorafuse._paths import ASSETS
+from lorafuse.inference.build import served_model_name
+from lorafuse.inference.config import ServeConfig, check_serve_config
 
 from .finetune_run import ROOT, recipe_env
 
@@ -121,9 +125,8 @@ def request(port, method, path, body=None, raw=None):
 def server(adapter, second_adapter, tmp_path_factory):
     port = free_port()
     process = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "serve.py"), f"port={port}",
-                                f"model.adapter={adapter}", f"+model.adapters.second={second_adapter}",
-                                "model_name=tiny-lora"], env=recipe_env(),
-                               cwd=tmp_path_factory.mktemp("serve"), stdout=subprocess.PIPE,
+                                f"model.adapter={adapter}", f"+model.adapters.second={second_adapter}"],
+                               env=recipe_env(), cwd=tmp_path_factory.mktemp("serve"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # up once /health answers
@@ -170,7 +173,7 @@ def test_a_request_names_the_second_adapter(server, second_adapter, tokenizer):
     assert status == 200 and answer["model"] == "second"
     assert answer["choices"][0]["message"]["content"] == hf_greedy_text(second_adapter, tokenizer, [messages], 10)[0]
     status, data = request(server, "GET", "/v1/models")
-    assert [m["id"] for m in json.loads(data)["data"]] == ["tiny-lora", "default", "second"]
+    assert [m["id"] for m in json.loads(data)["data"]] == ["tiny-llama", "default", "second"]
 
 
 @pytest.mark.parametrize("path,body,raw,status", [
@@ -184,3 +187,47 @@ def test_the_server_refuses_malformed_requests_and_stays_up(server, path, body, 
     got, data = request(server, "POST", path, body, raw)
     assert got == status and json.loads(data)["error"]["message"]
     assert request(server, "POST", "/v1/completions", {"prompt": "still up", "max_tokens": 2})[0] == 200
+
+
+def test_the_server_names_its_model_by_the_directory_and_never_sends_its_path(server):
+    answers = [request(server, "GET", "/v1/models"),
+               request(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+               request(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True}),
+               request(server, "POST", "/v1/completions", {"prompt": "x", "model": "third"})]
+    assert [status for status, _ in answers] == [200, 200, 200, 404]
+    for _, data in answers:
+        assert str(ASSETS) not in data and "tiny-llama" in data, data
+
+
+def test_the_default_model_name_is_a_local_directory_s_name_or_the_hub_id():
+    assert served_model_name(str(TINY)) == served_model_name(f"{TINY}/") == "tiny-llama"
+    assert served_model_name("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
+
+
+@pytest.mark.parametrize("key,value", [("port", 70000), ("port", -1), ("request_timeout", 0.0),
+                                       ("max_connections", 0), ("max_new_tokens", 0)])
+def test_serve_config_values_out_of_range_are_refused(key, value):
+    with pytest.raises(ValueError, match=f"^{key}={value}: must be"):
+        check_serve_config(ServeConfig(**{key: value}))
+
+
+def serve_start_up_error(*overrides: str, cwd) -> str:
+    """The output of recipes/serve.py that stops at start-up, having checked its exit code is 2 and that it printed
+    no traceback."""
+    run = subprocess.run([sys.executable, str(ROOT / "recipes" / "serve.py"), *overrides], env=recipe_env(),
+                         cwd=cwd, capture_output=True, text=True, timeout=300)
+    output = run.stdout + run.stderr
+    assert run.returncode == 2 and "Traceback" not in output, output
+    return output
+
+
+def test_serve_refuses_a_port_in_use_in_one_line(server, tmp_path):
+    output = serve_start_up_error(f"port={server}", cwd=tmp_path)
+    assert f"cannot listen on 127.0.0.1:{server}: Address already in use" in output, output
+
+
+def test_serve_refuses_a_corrupt_adapter_config_naming_the_file(adapter, tmp_path):
+    corrupt = shutil.copytree(adapter, tmp_path / "corrupt")
+    (corrupt / "adapter_config.json").write_text('{"r": 4, "lora_alpha":')
+    output = serve_start_up_error(f"model.adapter={corrupt}", f"port={free_port()}", cwd=tmp_path)
+    assert f"model.adapter: {corrupt / 'adapter_config.json'} cannot be read as JSON" in output, output

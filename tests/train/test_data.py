@@ -375,8 +375,39 @@ def test_a_text_column_of_numbers_names_its_first_row(tmp_path):
         load_splits(config(path, format=DataFormat.text), seed=0)
 
 
-def test_a_chat_message_without_a_role_names_the_file(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"content": "Hi"},
-                                                                {"role": "assistant", "content": "Hello"}]}])
-    with pytest.raises(DataError, match=rf"^{path}: data.messages_column=messages: each message needs a \"role\""):
-        build_datasets(config(path, format=DataFormat.chat), tokenizer, seed=0)
+HELLO = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+NO_ROLE = {"messages": [{"content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+
+
+def test_a_chat_message_without_a_role_names_the_file_and_the_row(tmp_path):
+    # Checked as loaded: the row named is the row of the files, not of a shuffled split.
+    write_jsonl(tmp_path / "a.jsonl", [HELLO, HELLO])
+    write_jsonl(tmp_path / "b.jsonl", [HELLO, NO_ROLE])
+    with pytest.raises(DataError) as error:
+        load_splits(config(tmp_path, format=DataFormat.chat, eval_fraction=0.5), seed=0)
+    assert str(error.value).startswith(
+        f"{tmp_path}: row 4 (counting the rows of its files in name order), column 'messages' (data.messages_column): "
+        "each message needs a \"role\" and a \"content\" string, found {'role': None, 'content': 'Hi'}")
+
+
+def test_chat_rows_given_to_tokenize_directly_are_checked_too(tokenizer):
+    with pytest.raises(DataError, match=r"^unused: data.messages_column=messages: each message needs a \"role\""):
+        tokenized([HELLO, NO_ROLE], tokenizer, format=DataFormat.chat)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("data.jsonl", b'{"instruction": "a", "output": "b"}\n[1, 2]\n',
+     "{path} could not be read as json: line 2: expected a JSON object, found list"),
+    ("data.json", b'[\n{"instruction": "a", "output": "b"},\n{"instruction": "a" "output": "b"}\n]\n',
+     "{path} could not be read as json: line 3: Expecting ',' delimiter (column 21)"),
+    ("data.json", b" [ ]\n", "{path} holds no rows (an empty JSON array)"),
+    ("data.csv", "instruction,input,output\nSay hi,,café\n".encode("latin-1"),
+     "{path}, line 2: not UTF-8 text (byte 0xe9); save the file as UTF-8"),
+    ("data.csv", b"instruction,input,output\n\n", "{path} holds no rows (data.csv: a CSV header only)"),
+], ids=["jsonl-line-not-an-object", "json-array-malformed", "json-array-empty", "csv-latin-1", "csv-header-only"])
+def test_an_unreadable_json_or_csv_file_is_named_with_its_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError) as error:
+        load_splits(config(path), seed=0)
+    assert str(error.value).startswith("data.path: " + message.format(path=path))

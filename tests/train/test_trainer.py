@@ -246,22 +246,26 @@ def test_a_run_extended_past_its_end_is_finished_by_resume_despite_the_earlier_s
     assert (run_dir / "merged" / "config.json").is_file()
 
 
-def test_a_checkpoint_before_the_end_is_not_taken_for_a_finished_run(tmp_path):
-    # A run of 4 steps with a checkpoint every 2, stopped after step 2's save, resumed with train.max_steps=2: the
-    # step-2 checkpoint was not its run's last, so there is no run to finish, only steps to train
-    run_dir = tmp_path / "run"
-    job = finetune(run_dir, "train.max_steps=4", "train.save_every_n_steps=2")
+def train_interrupted(job, steps: int) -> None:
+    """Trains `job` until a KeyboardInterrupt in the step after its first `steps` steps (as a Ctrl-C would)."""
     train_step, done = job._train_step, []
 
-    def killed_in_step_3(micro_batches):
-        if len(done) == 2:  # steps 1 and 2 trained, step 2 saved
+    def killed_after(micro_batches):
+        if len(done) == steps:
             raise KeyboardInterrupt
         done.append(1)
         return train_step(micro_batches)
 
-    job._train_step = killed_in_step_3
+    job._train_step = killed_after
     with pytest.raises(KeyboardInterrupt):
         job.train()
+
+
+def test_a_checkpoint_before_the_end_is_not_taken_for_a_finished_run(tmp_path):
+    # A run of 4 steps with a checkpoint every 2, stopped after step 2's save, resumed with train.max_steps=2: the
+    # step-2 checkpoint was not its run's last, so there is no run to finish, only steps to train
+    run_dir = tmp_path / "run"
+    train_interrupted(finetune(run_dir, "train.max_steps=4", "train.save_every_n_steps=2"), steps=2)
     assert latest_checkpoint(run_dir).name == "step-000002"
     end_job()
     with pytest.raises(ConfigError, match="is at step 2, and train.max_steps=2: raise train.max_steps"):
