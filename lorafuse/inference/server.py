@@ -24,6 +24,7 @@ import json
 import logging
 import queue
 import re
+import socket
 import sys
 import threading
 import time
@@ -379,6 +380,15 @@ class _Answer:
         choice.update({"delta": delta} if self.chat else {"text": text, "logprobs": None})
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Raises OSError where host:port cannot be listened on (taken, or no address of this machine): the recipe asks
+    before the model loads, so that a bad address costs no load. Binds as the server does (address reuse on)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
 
 
 class LorafuseServer(ThreadingHTTPServer):

@@ -226,6 +226,12 @@ def test_serve_refuses_a_port_in_use_in_one_line(server, tmp_path):
     assert f"cannot listen on 127.0.0.1:{server}: Address already in use" in output, output
 
 
+def test_serve_checks_its_port_before_it_loads_the_model(server, tmp_path):
+    # a model that does not exist and a port in use: the port is what it names, so the model was never loaded
+    output = serve_start_up_error(f"port={server}", f"model.name_or_path={tmp_path / 'absent'}", cwd=tmp_path)
+    assert f"cannot listen on 127.0.0.1:{server}" in output and "ModelLoadError" not in output, output
+
+
 def test_serve_refuses_a_corrupt_adapter_config_naming_the_file(adapter, tmp_path):
     corrupt = shutil.copytree(adapter, tmp_path / "corrupt")
     (corrupt / "adapter_config.json").write_text('{"r": 4, "lora_alpha":')
