@@ -113,8 +113,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import (LogWatch, adamw_step, environment, first_step, print_profile, result_dirs,  # noqa: E402
-                               stream_subprocess, time_ms, time_training, token_ids, write_rows)
+from benchmarks.common import (LogWatch, adamw_step, chosen_providers, environment, first_step,  # noqa: E402
+                               print_profile, result_dirs, stream_subprocess, time_ms, time_training, token_ids,
+                               write_rows)
 
 # lorafuse from PYTHONPATH first (the tree of a --tree subprocess), else from this tree
 sys.path.remove(ROOT)
@@ -650,11 +651,7 @@ def parse_args():
     parser.add_argument("--reference", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    requested = [p for p in args.providers.split(",") if p]
-    unknown = sorted(set(requested) - set(PROVIDERS))
-    if unknown:
-        parser.error(f"unknown providers {unknown}")
-    args.providers = [p for p in PROVIDERS if p in requested]  # liger last, whatever the order given
+    args.providers = chosen_providers(parser, args.providers, PROVIDERS)
     dry = args.device != "cuda"
     for name, default in (("warmup", WARMUP), ("steps", STEPS), ("compiled_warmup", COMPILED_WARMUP),
                           ("second_pass_steps", SECOND_PASS_STEPS)):

@@ -263,3 +263,13 @@ def host_and_gpu_ms(step, steps=5):
         torch.cuda.synchronize()
         gpu.append(start.elapsed_time(end))
     return sorted(host)[steps // 2], sorted(gpu)[steps // 2]
+
+
+def chosen_providers(parser, names: str, providers: tuple) -> list:
+    """The comma-separated `names`, in the order of `providers` (peft_liger last: its patches are undone after it);
+    a name not among them is a usage error."""
+    requested = [name for name in names.split(",") if name]
+    unknown = sorted(set(requested) - set(providers))
+    if unknown:
+        parser.error(f"unknown providers {unknown}")
+    return [provider for provider in providers if provider in requested]

@@ -2,7 +2,8 @@
 from .nn import LoraLinear
 from .ops import lora_linear
 
-_HF_API = ("from_pretrained", "fuse", "get_peft_model", "register_attention", "unfuse")
+_HF_API = ("enable_activation_checkpointing", "from_pretrained", "fuse", "get_peft_model", "register_attention",
+           "unfuse")
 
 __all__ = ["LoraLinear", "lora_linear", *_HF_API]
 

@@ -16,21 +16,31 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
 from .._logging import log_once
-from ..ops.model.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
+from ..ops.model.linear_cross_entropy import IGNORE_INDEX, LabelledCount, linear_cross_entropy
 from .model_kernels import KernelForward, code_keys
 
 
-def causal_lm_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
-                   num_items_in_batch=None, ignore_index: int = IGNORE_INDEX, shift_labels=None, **_) -> torch.Tensor:
-    """transformers' ForCausalLMLoss of the logits hidden @ head_weight^T, without them: the token losses' sum over
-    num_items_in_batch, or their mean over the labelled tokens when it is None."""
-    # hidden: [B, T, H], head_weight: [V, H], labels: [B, T] (or shift_labels: [B, T], already shifted) -> [] fp32
+def next_token_labels(labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None,
+                      ignore_index: int = IGNORE_INDEX, **_) -> torch.Tensor:
+    """Each position's next token, as ForCausalLMLoss shifts labels (ignore_index after the last), flat; or
+    shift_labels, already shifted."""
+    # labels: [B, T] (or shift_labels: [B, T]) -> [B * T]
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    shift_labels = shift_labels.reshape(-1).to(hidden.device)
-    divisor = (shift_labels != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
-    return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head_weight, shift_labels, divisor,
-                                ignore_index)
+    return shift_labels.reshape(-1)
+
+
+def causal_lm_loss(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                   num_items_in_batch=None, ignore_index: int = IGNORE_INDEX, labelled: LabelledCount | None = None,
+                   **_) -> torch.Tensor:
+    """transformers' ForCausalLMLoss of the logits hidden @ head_weight^T, without them: the token losses' sum over
+    num_items_in_batch, or their mean over the labelled tokens when it is None. `labelled` (a LabelledCount of
+    targets) lets the head skip the ignored rows."""
+    # hidden: [B, T, H], head_weight: [V, H], targets: [B * T] (next_token_labels) -> [] fp32
+    targets = targets.to(hidden.device)
+    divisor = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
+    return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head_weight, targets, divisor,
+                                ignore_index, labelled=labelled)
 
 
 def _computes_as_llama_causal_lm(module: nn.Module) -> bool:
@@ -68,10 +78,16 @@ def _fused_loss_forward(module: nn.Module, *args, **kwargs):
             log_once(f"lorafuse: {type(module).__name__} with {reason} computes its loss from full logits "
                      "(transformers' forward)")
         return type(module).forward(module, *args, **kwargs)
-    labels = kwargs.pop("labels")
+    targets = next_token_labels(kwargs.pop("labels"), **kwargs)
+    labelled = LabelledCount.start(targets, kwargs.get("ignore_index", IGNORE_INDEX))  # on the host by the loss
     kwargs.pop("logits_to_keep", None)
+    # No KV cache built in training: its copies of every layer's keys and values would live through the forward.
+    # Under torch.compile transformers' default stays: without a cache its mask function closes over a traced tensor
+    # (the packed-sequence check), which the attention's mask check cannot read.
+    if kwargs.get("use_cache") is None and not torch.compiler.is_compiling():
+        kwargs["use_cache"] = False
     outputs = module.model(**kwargs)  # the loss arguments go to the model too, as transformers passes them
-    loss = causal_lm_loss(outputs.last_hidden_state, module.lm_head.weight, labels, **kwargs)
+    loss = causal_lm_loss(outputs.last_hidden_state, module.lm_head.weight, targets, labelled=labelled, **kwargs)
     rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 

@@ -90,15 +90,6 @@ def save_adapter(model: peft.PeftModel, out_dir: str | os.PathLike, state_dict: 
     model.save_pretrained(out_dir, state_dict=state_dict, save_embedding_layers=False)
 
 
-def enable_activation_checkpointing(model: peft.PeftModel) -> None:
-    # Non-reentrant checkpointing recomputes with the RNG state of the forward: the same dropout masks.
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 def parameter_counts(model: peft.PeftModel) -> tuple[int, int]:
     """(trainable, total) parameters."""
     return model.get_nb_trainable_parameters()

@@ -2,7 +2,7 @@
 
 `fuse_layers` swaps the class of every `peft.tuners.lora.Linear` on an `nn.Linear` or on
 transformers' `Conv1D` (GPT-2; PEFT's fan_in_fan_out) to `FusedLoraLinear`, a subclass that
-only overrides `forward`. Parameters, state-dict keys, merge/unmerge, adapter switching and
+only overrides `forward` and reports PEFT's class name (repr, get_layer_status). Parameters, state-dict keys, merge/unmerge, adapter switching and
 saving are PEFT's own code, untouched. Other LoRA layers (Embedding, Conv2d, quantized bases...)
 keep PEFT's class, logged once per kind at fuse time. Per call, the fused path covers the
 common case (see `_unfused_reason`); anything else runs PEFT's forward, and the reason is logged once.
@@ -32,6 +32,10 @@ class FusedLoraLinear(lora.Linear):
             log_once(f"lorafuse: LoRA Linear with {reason} runs through PEFT's forward (not fused)")
             return super().forward(x, *args, **kwargs)
         return lora_forward(self, active[0], x)
+
+    def _get_name(self) -> str:
+        # repr, and PEFT's get_layer_status/get_model_status that read it, name PEFT's class: "lora.Linear"
+        return lora.Linear.__name__
 
     def _unfused_reason(self, x: torch.Tensor, args: tuple, kwargs: dict, active: list[str]) -> str | None:
         """Why PEFT's forward must run instead of the fused op, or None when the op computes the same."""

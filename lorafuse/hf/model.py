@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from .._logging import log_once
+from .activation_checkpointing import enable_activation_checkpointing
 from .attention import NAME as ATTENTION
 from .causal_lm_loss import use_loss_kernels
 from .lora import fuse_layers, unfuse_layers
@@ -34,22 +35,27 @@ _ATTENTION_BEFORE = "_lorafuse_attention_before"  # set on the transformers mode
 
 def get_peft_model(model: nn.Module, peft_config: peft.PeftConfig, adapter_name: str = "default",
                    attention: bool = True, model_kernels: bool = True, loss_kernels: bool = True,
-                   **kwargs) -> PeftModel:
+                   activation_checkpointing: bool | str = False, **kwargs) -> PeftModel:
     """`peft.get_peft_model(model, peft_config, adapter_name, **kwargs)`, then `fuse`: fused LoRA layers and, with
     `attention`, lorafuse attention, with `model_kernels`, RMSNorm, SwiGLU and RoPE on lorafuse's kernels, with
-    `loss_kernels`, the training loss without full logits. Target specs (names, regex, "all-linear", exclude_modules,
-    rank/alpha patterns) are PEFT's."""
+    `loss_kernels`, the training loss without full logits. `activation_checkpointing`: False, True (each decoder
+    layer recomputed in the backward) or "offload" (its input also kept in pinned host memory meanwhile); see
+    `enable_activation_checkpointing`. Target specs (names, regex, "all-linear", exclude_modules, rank/alpha
+    patterns) are PEFT's."""
     with _naming_targets(model):
         peft_model = peft.get_peft_model(model, peft_config, adapter_name=adapter_name, **kwargs)
-    return fuse(peft_model, attention=attention, model_kernels=model_kernels, loss_kernels=loss_kernels)
+    fuse(peft_model, attention=attention, model_kernels=model_kernels, loss_kernels=loss_kernels)
+    return enable_activation_checkpointing(peft_model, activation_checkpointing)
 
 
-def from_pretrained(model: nn.Module, adapter: str | os.PathLike, **kwargs) -> PeftModel:
+def from_pretrained(model: nn.Module, adapter: str | os.PathLike, activation_checkpointing: bool | str = False,
+                    **kwargs) -> PeftModel:
     """`PeftModel.from_pretrained(model, adapter, **kwargs)`, then `fuse`: an adapter saved by PEFT or by lorafuse
-    (a directory or a Hub id) loaded straight into a fused model. Pass is_trainable=True to train it further."""
+    (a directory or a Hub id) loaded straight into a fused model. Pass is_trainable=True to train it further, with
+    `activation_checkpointing` as in `get_peft_model`."""
     with _naming_targets(model):
         peft_model = PeftModel.from_pretrained(model, adapter, **kwargs)
-    return fuse(peft_model)
+    return enable_activation_checkpointing(fuse(peft_model), activation_checkpointing)
 
 
 def fuse(model: nn.Module, attention: bool = True, model_kernels: bool = True, loss_kernels: bool = True

@@ -17,6 +17,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import MISSING
 
 from .._paths import register_asset_resolver
+from ..hf.activation_checkpointing import checkpointing_mode
 
 
 class DataFormat(Enum):
@@ -121,7 +122,8 @@ class TrainConfig:
     batch_size: int = 8                 # samples per device per micro-step
     grad_accum: int = 1                 # micro-steps per optimizer step
     precision: Precision = Precision.auto
-    activation_checkpointing: bool = False
+    activation_checkpointing: Any = False  # false, true (each decoder layer recomputed in the backward) or offload
+                                        # (its input also waits in pinned host memory); Any as cuda_graphs is
     eval_every: int = 50                # optimizer steps between eval passes; 0: only at the end
     eval_batches: Optional[int] = None  # cap on eval batches per pass; None: the whole eval split
     log_every: int = 10
@@ -212,6 +214,10 @@ def validate(cfg: FinetuneConfig) -> None:
     if cfg.lora.bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"lora.bias={cfg.lora.bias!r}: allowed values are none, all, lora_only")
     cuda_graphs_setting(cfg.train.cuda_graphs)
+    try:
+        checkpointing_mode(cfg.train.activation_checkpointing, "train.activation_checkpointing")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     check_report_to(cfg.train.report_to)
     if not isinstance(cfg.train.resume, (bool, str)):
         raise ConfigError(f"train.resume={cfg.train.resume!r}: true, false, or the path of a checkpoint directory")

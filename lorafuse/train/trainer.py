@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..hf import loading
+from ..hf.activation_checkpointing import checkpointing_mode, enable_activation_checkpointing
 from .batches import ShardedBatches, eval_batches
 from .captured_step import ITEMS, CapturedStep
 from .checkpoint import keep_trainable_weights_only, latest_checkpoint, load_checkpoint, publishing, save_checkpoint
@@ -132,9 +133,11 @@ class Finetune:
         except ValueError as err:  # PEFT's refusals: no module matches, a module type it cannot adapt, ...
             raise ConfigError(f"lora (target_modules={lora.target_modules!r}, exclude_modules="
                               f"{lora.exclude_modules!r}): {err}") from err
-        if self.cfg.train.activation_checkpointing:
-            loading.enable_activation_checkpointing(model)
-            logger.info("activation checkpointing on: each decoder layer's forward runs again in the backward")
+        checkpointing = checkpointing_mode(self.cfg.train.activation_checkpointing)
+        if checkpointing:
+            enable_activation_checkpointing(model, checkpointing)
+            logger.info("activation checkpointing on: each decoder layer's forward runs again in the backward%s",
+                        ", its input kept in pinned host memory meanwhile" if checkpointing == "offload" else "")
         if self.accelerator.is_main_process:
             trainable, total = loading.parameter_counts(model)
             logger.info("model %s: %s trainable of %s parameters (%.3f%%), weights in %s, attention %s",
@@ -519,7 +522,7 @@ def _capture_blocker(cfg: FinetuneConfig, cuda: bool, precision: str) -> tuple[s
                 "set data.pad_to_max_length=true or data.packing=true")
     if precision == "fp16":
         return "fp16's grad scaler reads its overflow check on the host every step", "use train.precision=bf16"
-    if cfg.train.activation_checkpointing:
+    if checkpointing_mode(cfg.train.activation_checkpointing):
         return ("activation checkpointing saves and restores the RNG state on the host to recompute each layer",
                 "set train.activation_checkpointing=false")
     return None

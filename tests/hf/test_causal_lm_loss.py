@@ -9,6 +9,7 @@ from peft import LoraConfig
 
 import lorafuse
 from lorafuse.hf.causal_lm_loss import LossForward
+from lorafuse.ops.model import linear_cross_entropy as lce_module
 from lorafuse.train.trainer import accepts_loss_kwargs
 from tests.hf.families import VOCAB, batch, lora_config, tiny_model
 from tests.lora_check import assert_fp32_close, relative_error
@@ -43,7 +44,21 @@ def test_loss_and_grads_equal_transformers_loss(family):
     inputs["labels"][0, :3] = -100  # a prompt's tokens carry no loss
     assert loss_kernel_forwards(fused) == 1 and loss_kernel_forwards(full) == 0
     assert_fp32_close(loss_and_grads(fused, **inputs), loss_and_grads(full, **inputs))
-    assert fused.train()(**inputs).logits is None
+    outputs = fused.train()(**inputs)
+    assert outputs.logits is None and outputs.past_key_values is None  # no KV cache made in training
+
+
+def test_the_head_skips_ignored_positions(monkeypatch):
+    rows_seen, forward = [], lce_module._forward
+    monkeypatch.setattr(lce_module, "_forward", lambda hidden, *args: rows_seen.append(len(hidden)) or
+                        forward(hidden, *args))
+    fused, full = fused_and_full("llama")
+    inputs = batch("llama")
+    inputs["labels"] = inputs["labels"].clone()
+    inputs["labels"][:, :4] = -100  # prompts
+    assert_fp32_close(loss_and_grads(fused, **inputs), loss_and_grads(full, **inputs))
+    rows, length = inputs["labels"].shape
+    assert rows_seen == [rows * (length - 4)]  # positions 3 to length - 2: the next token of each is labelled
 
 
 def test_autocast_runs_the_fused_loss(monkeypatch, fallback_log):

@@ -251,6 +251,18 @@ def test_unfuse_restores_peft_classes():
     assert torch.equal(fused(x), plain(x))
 
 
+def test_fused_layers_report_peft_type_names():
+    # PEFT's repr, get_layer_status and get_model_status of a fused model equal the unfused model's; isinstance holds
+    plain = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    fused = lorafuse.fuse(copy.deepcopy(plain))
+    layer = fused.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(layer) is FusedLoraLinear and isinstance(layer, lora.Linear)
+    assert repr(layer).startswith("lora.Linear(") and repr(fused) == repr(plain)
+    assert {status.module_type for status in fused.get_layer_status()} == {"lora.Linear"}
+    assert fused.get_layer_status() == plain.get_layer_status()
+    assert fused.get_model_status() == plain.get_model_status()
+
+
 def test_fuse_without_lora_layers_says_what_to_do():
     with pytest.raises(ValueError, match="OneLinear has no peft LoRA Linear layers; wrap it first"):
         lorafuse.fuse(OneLinear(4, 4, True))

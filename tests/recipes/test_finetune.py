@@ -139,15 +139,16 @@ def test_a_run_directory_is_continued_only_as_the_same_run(tmp_path):
 
 
 def test_activation_checkpointing_recomputes_the_same_step(tmp_path):
-    """Same losses and gradient norms with and without it: the recomputed forward draws the same dropout masks
-    (tests/hf/test_loading.py checks that the forward does run again)."""
+    """Same losses and gradient norms with and without it, offloaded or not: the recomputed forward draws the same
+    dropout masks (tests/hf/test_activation_checkpointing.py checks that the forward does run again)."""
     rows = []
-    for flag in ("false", "true"):
+    for flag in ("false", "true", "offload"):
         run = run_recipe(*QUICK, "train.max_steps=3", f"train.activation_checkpointing={flag}",
                          f"run_dir={tmp_path / flag}")
-        assert ("activation checkpointing on" in run.stdout + run.stderr) == (flag == "true")
+        assert ("activation checkpointing on" in run.stdout + run.stderr) == (flag != "false")
+        assert ("its input kept in pinned host memory" in run.stdout + run.stderr) == (flag == "offload")
         rows.append([(row["loss"], row["grad_norm"]) for row in train_rows(tmp_path / flag).values()])
-    assert rows[0] == rows[1]
+    assert rows[0] == rows[1] == rows[2]
 
 
 @pytest.mark.parametrize("data_format,content,expected", [

@@ -81,6 +81,8 @@ def test_false_runs_eagerly_without_a_word(caplog):
      "train.precision=bf16"),
     (config(True, STATIC["packing"], activation_checkpointing=True), True, "bf16",
      "train.cuda_graphs=true: activation checkpointing saves and restores the RNG state on the host"),
+    (config(True, STATIC["packing"], activation_checkpointing="offload"), True, "bf16",
+     "train.cuda_graphs=true: activation checkpointing saves and restores the RNG state on the host"),
 ])
 def test_true_where_capture_cannot_work_names_the_key_the_value_and_the_fix(cfg, cuda, precision, message):
     with pytest.raises(ConfigError) as error:

@@ -27,6 +27,8 @@ def config(**sections) -> FinetuneConfig:
     ({"data": DataConfig(path="unused", max_samples=0)}, "data.max_samples=0: must be > 0"),
     ({"lora": LoraSection(alpha=0)}, "lora.alpha=0: must be > 0"),
     ({"lora": LoraSection(alpha=-16.0)}, "lora.alpha=-16.0: must be > 0"),
+    ({"train": TrainConfig(activation_checkpointing="cpu")},
+     "train.activation_checkpointing='cpu': allowed values are false, true, offload"),
 ])
 def test_a_value_that_cannot_work_is_refused_naming_the_key_and_what_is_allowed(sections, message):
     with pytest.raises(ConfigError) as error:

@@ -20,7 +20,9 @@ from ..common.tiles import kernels_run_on
 from ..common.traceable_log import log_once_traceable
 
 IGNORE_INDEX = -100  # transformers' and torch's default
-CHUNK_ELEMENTS = 1 << 28  # logits held at a time (rows x vocab): the chunk's rows follow from the vocabulary
+# Logits held at a time (rows x vocab): the chunk's rows follow from the vocabulary. About a thousand rows at a 128k
+# vocabulary: enough row tiles for the dh matmul ([rows, V] @ [V, H]) to fill the GPU.
+CHUNK_ELEMENTS = 1 << 27
 BLOCK_V = 4096  # vocabulary columns a program reads per step of its loops over the row
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -199,19 +201,62 @@ _linear_cross_entropy_op.register_autograd(_linear_cross_entropy_op_backward,
                                            setup_context=_linear_cross_entropy_setup_context)
 
 
+class LabelledCount:
+    """The number of labels other than ignore_index, counted on the device and copied to the host without waiting:
+    made at the start of a forward, read at its loss, so that the host never waits for it. None where no host read
+    may happen (`start`)."""
+
+    def __init__(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+        # labels: [N] -> a count of one element, on its way to pinned host memory
+        count = (labels != ignore_index).sum()
+        if not labels.is_cuda:
+            self._host, self._copied = count, None
+            return
+        self._host = torch.empty((), dtype=count.dtype, device="cpu", pin_memory=True)
+        self._host.copy_(count, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    @classmethod
+    def start(cls, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> "LabelledCount | None":
+        """A count of `labels`; None while a CUDA graph is captured or torch.compile traces."""
+        if torch.compiler.is_compiling() or (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        return cls(labels, ignore_index)
+
+    def count(self) -> int:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return int(self._host)
+
+
+def _labelled_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, count: int):
+    """hidden and labels without the rows labelled ignore_index (count rows stay), in order: the head's matmuls skip
+    prompt tokens and padding."""
+    # hidden: [N, H], labels: [N] -> [count, H], [count]
+    if count == labels.numel():
+        return hidden, labels
+    kept = torch.argsort((labels == ignore_index).to(torch.int8), stable=True)[:count]  # labelled rows first
+    return hidden.index_select(0, kept), labels.index_select(0, kept)
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor=None,
-                         ignore_index: int = IGNORE_INDEX, softcap: float | None = None) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, softcap: float | None = None,
+                         labelled: LabelledCount | None = None) -> torch.Tensor:
     """linear_cross_entropy_reference's result (the sum of the rows' losses over `divisor`, a number or a tensor of
     one element, None for 1; float32), differentiable in hidden and weight, with no [N, V] tensor kept. softcap:
     logits become softcap * tanh(logits / softcap) first (Gemma 2). Labels other than ignore_index must lie in
-    [0, V): they are not checked (that would cost a host sync). Inputs the kernel does not take run the reference,
-    the reason logged once. Under torch.compile, the custom op lorafuse::linear_cross_entropy."""
+    [0, V): they are not checked. With `labelled` (LabelledCount.start(labels, ignore_index), made before the
+    hidden states were), the rows labelled ignore_index are dropped before the head's matmul. Inputs the kernel does
+    not take run the reference, the reason logged once. Under torch.compile, the custom op
+    lorafuse::linear_cross_entropy, every row kept."""
     # hidden: [N, H], weight: [V, H], labels: [N] int64 -> []
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):  # the head's matmul in autocast's dtype, as autocast would run it
         dtype = torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
-            return linear_cross_entropy(hidden.to(dtype), weight.to(dtype), labels, divisor, ignore_index, softcap)
+            return linear_cross_entropy(hidden.to(dtype), weight.to(dtype), labels, divisor, ignore_index, softcap,
+                                        labelled)
     reason = functorch_reason(hidden, weight) or _unsupported_reason(hidden, weight, labels)
     if reason is not None:
         log_once_traceable(f"lorafuse.linear_cross_entropy: {reason}")
@@ -222,6 +267,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if torch.compiler.is_compiling():
         return _linear_cross_entropy_op(hidden, weight, labels, scale, ignore_index, float(softcap or 0.0),
                                         need_dh, need_dw)[0]
+    if labelled is not None:
+        hidden, labels = _labelled_rows(hidden, labels, ignore_index, labelled.count())
     if need_dh or need_dw:
         return _LinearCrossEntropy.apply(hidden.contiguous(), weight.contiguous(), labels.contiguous(), scale,
                                          ignore_index, softcap)

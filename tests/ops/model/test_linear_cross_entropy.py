@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lorafuse.ops.model import linear_cross_entropy as lce_module
-from lorafuse.ops.model.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from lorafuse.ops.model.linear_cross_entropy import (LabelledCount, linear_cross_entropy,
+                                                     linear_cross_entropy_reference)
 from tests.ops._helpers import DTYPES, assert_all_close, assert_close, cast, dtype_id, forward_backward
 
 
@@ -17,6 +18,13 @@ def small_chunks(monkeypatch):
     return use
 
 
+@pytest.fixture(params=[True, False], ids=["labelled_rows", "every_row"])
+def labelled(request):
+    """Twice: with a LabelledCount, ignored rows dropped before the head (eager forwards), and without, every row
+    through the kernel (a captured or compiled step)."""
+    return request.param
+
+
 def head_inputs(rows, hidden, vocab, ignored=(), seed=0):
     torch.manual_seed(seed)
     labels = torch.randint(0, vocab, (rows,))
@@ -25,22 +33,24 @@ def head_inputs(rows, hidden, vocab, ignored=(), seed=0):
             "labels": labels}
 
 
-def run(fn, inputs, dtype, need, softcap=None, divisor=None, grad_out=1.0):
+def run(fn, inputs, dtype, need, softcap=None, divisor=None, grad_out=1.0, labelled=False):
     # grad_out 1: loss.backward(), the gradients as the forward made them (a real loss is divided by its token count
-    # through `divisor`, not by a later multiplication)
-    return forward_backward(lambda hidden, weight, labels: fn(hidden, weight, labels, divisor, softcap=softcap),
-                            cast(inputs, dtype), torch.tensor(grad_out), need)
+    # through `divisor`, not by a later multiplication); labelled: linear_cross_entropy given a LabelledCount
+    def loss(hidden, weight, labels):
+        count = {"labelled": LabelledCount(labels)} if labelled else {}
+        return fn(hidden, weight, labels, divisor, softcap=softcap, **count)
+    return forward_backward(loss, cast(inputs, dtype), torch.tensor(grad_out), need)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("rows,hidden,vocab", [(1, 16, 50), (7, 48, 1000), (113, 32, 333)], ids=str)
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
-def test_matches_reference(rows, hidden, vocab, dtype, softcap, small_chunks):
+def test_matches_reference(rows, hidden, vocab, dtype, softcap, small_chunks, labelled):
     small_chunks(16, vocab)
     inputs = head_inputs(rows, hidden, vocab, ignored=range(2, rows, 5))
     need = ("hidden", "weight")
     divisor = torch.tensor(rows + 3)  # num_items_in_batch: a device tensor
-    got = run(linear_cross_entropy, inputs, dtype, need, softcap, divisor)
+    got = run(linear_cross_entropy, inputs, dtype, need, softcap, divisor, labelled=labelled)
     exact = run(linear_cross_entropy_reference, inputs, torch.float64, need, softcap, divisor)
     assert_all_close(got, exact, dtype, run(linear_cross_entropy_reference, inputs, dtype, need, softcap, divisor))
     assert got["out"].dtype == torch.float32
@@ -93,19 +103,31 @@ def test_hidden_gradient_alone_matches_the_reference(small_chunks):
                      run(linear_cross_entropy_reference, inputs, torch.bfloat16, ("hidden",)))
 
 
-def test_all_ignored_chunk_gives_zero_loss_and_gradient_rows(small_chunks):
+def test_all_ignored_chunk_gives_zero_loss_and_gradient_rows(small_chunks, labelled):
     # rows 8..15 fill one chunk and are all ignored: their loss is 0 and their gradient rows are exactly 0
     small_chunks(8, 90)
     inputs = head_inputs(20, 16, 90, ignored=range(8, 16))
-    got = run(linear_cross_entropy, inputs, torch.float32, ("hidden", "weight"))
+    got = run(linear_cross_entropy, inputs, torch.float32, ("hidden", "weight"), labelled=labelled)
     exact = run(linear_cross_entropy_reference, inputs, torch.float64, ("hidden", "weight"))
     assert_all_close(got, exact, torch.float32)
     assert torch.equal(got["hidden"][8:16], torch.zeros(8, 16))
 
 
-def test_every_row_ignored_gives_zero_not_nan():
+def test_ignored_rows_skip_the_head_matmul(monkeypatch):
+    rows_seen, forward = [], lce_module._forward
+    monkeypatch.setattr(lce_module, "_forward", lambda hidden, *args: rows_seen.append(len(hidden)) or
+                        forward(hidden, *args))
+    inputs = head_inputs(12, 16, 40, ignored=[0, 1, 2, 7, 11])
+    got = run(linear_cross_entropy, inputs, torch.float32, ("hidden", "weight"), labelled=True)
+    assert rows_seen == [7]
+    assert_all_close(got, run(linear_cross_entropy_reference, inputs, torch.float64, ("hidden", "weight")),
+                     torch.float32)
+    assert torch.equal(got["hidden"][[0, 1, 2, 7, 11]], torch.zeros(5, 16))
+
+
+def test_every_row_ignored_gives_zero_not_nan(labelled):
     inputs = head_inputs(6, 16, 40, ignored=range(6))
-    got = run(linear_cross_entropy, inputs, torch.float32, ("hidden", "weight"))
+    got = run(linear_cross_entropy, inputs, torch.float32, ("hidden", "weight"), labelled=labelled)
     assert got["out"].item() == 0.0
     assert torch.equal(got["hidden"], torch.zeros(6, 16)) and torch.equal(got["weight"], torch.zeros(40, 16))
 

@@ -1,0 +1,41 @@
+"""Activation checkpointing of a transformers model's decoder layers: recomputed in the backward, their inputs kept
+on the GPU (`True`, transformers' own non-reentrant checkpointing) or in pinned host memory ("offload",
+lorafuse.nn.offloaded_checkpoint)."""
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ..nn.offloaded_checkpoint import OffloadedCheckpoint
+
+MODES = (False, True, "offload")
+
+
+def checkpointing_mode(value, key: str = "activation_checkpointing"):
+    """`value` as one of MODES (the strings "false" and "true" as booleans, as Hydra and command lines give them);
+    anything else is a ValueError naming `key` and the allowed values."""
+    text = str(value).lower() if isinstance(value, (bool, str)) else None
+    if text not in ("false", "true", "offload"):
+        raise ValueError(f"{key}={value!r}: allowed values are false, true, offload")
+    return {"false": False, "true": True}.get(text, text)
+
+
+def enable_activation_checkpointing(model: nn.Module, mode=True) -> nn.Module:
+    """Checkpoint every decoder layer of `model` (a transformers model, or a PeftModel around one) in `mode`
+    (MODES; False leaves the model as it is); returns `model`. Turned off by transformers'
+    `model.activation_checkpointing_disable()` (`gradient_checkpointing_disable()` before transformers 5.2x).
+
+    The recomputed forward draws the same dropout masks as the first. A model whose layers transformers cannot
+    checkpoint is a ValueError (transformers' own)."""
+    mode = checkpointing_mode(mode)
+    if mode is False:
+        return model
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if mode == "offload":
+        offloaded = OffloadedCheckpoint()  # one for all layers: each layer's backward prefetches the one below's input
+        for layer in model.modules():
+            if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing:
+                layer._gradient_checkpointing_func = offloaded
+    return model

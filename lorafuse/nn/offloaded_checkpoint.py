@@ -1,0 +1,154 @@
+"""Activation checkpointing whose saved inputs wait in pinned host memory: between its forward and its backward, a
+checkpointed layer keeps nothing on the GPU (beyond the MAX_COPIES_IN_FLIGHT newest inputs, while their copies run).
+
+`OffloadedCheckpoint` is a checkpoint function, called as `torch.utils.checkpoint.checkpoint` is: `(function,
+hidden_states, *args)`. transformers' decoder layers take one as their `_gradient_checkpointing_func`. Each call runs
+`function` without autograd and copies `hidden_states` to pinned host memory on a copy stream, overlapped with the
+next layers' forward. Its backward takes the copy back (the layer below's is prefetched on the copy stream meanwhile,
+overlapped with this layer's recompute), runs `function` again with autograd under the forward's RNG state and
+autocast (the same dropout masks) and backpropagates through it. This is Unsloth's offloaded gradient checkpointing
+and torchtune's activation offloading, per layer input. Off CUDA the input simply stays where it is.
+
+The first layer's input needs requires_grad (transformers' `enable_input_require_grads`, set by its
+`activation_checkpointing_enable`), or no gradient reaches the layers' parameters: as with reentrant checkpointing.
+The RNG state is read and set on the host, so a checkpointed step cannot be captured in a CUDA graph.
+"""
+import collections
+import weakref
+
+import torch
+
+
+MAX_COPIES_IN_FLIGHT = 2  # layer inputs held on the GPU until their copy to the host is known done
+
+
+class OffloadedCheckpoint:
+    """A checkpoint function for a stack of layers (one instance per model: it links each layer's stash to the one
+    below, to prefetch it, and bounds the inputs still on the GPU while their copies run)."""
+
+    def __init__(self):
+        self._copy_streams = {}  # device -> the stream that copies stashes to and from the host
+        self._newest = None  # a weak reference to the last stash made: the one below the next
+        self._copying = collections.deque()  # stashes whose device tensor may still be read by its copy
+
+    def __call__(self, function, hidden_states: torch.Tensor, *args):
+        # hidden_states: [..., H] -> function(hidden_states, *args)
+        stash = _Stash(hidden_states, self._copy_stream(hidden_states.device), below=self._newest)
+        self._newest = weakref.ref(stash)  # weak: a forward whose backward never runs frees its stashes
+        if stash.source is not None:
+            self._copying.append(stash)
+        # Inputs whose copy is done go; past MAX_COPIES_IN_FLIGHT the host waits for the oldest copy: the GPU then
+        # holds a bounded number of layer inputs, however far ahead of it the host runs.
+        while self._copying and (len(self._copying) > MAX_COPIES_IN_FLIGHT or self._copying[0].copied()):
+            self._copying.popleft().release_source()
+        return _CheckpointedLayer.apply(function, stash, hidden_states, *args)
+
+    def _copy_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if device not in self._copy_streams:
+            self._copy_streams[device] = torch.cuda.Stream(device)
+        return self._copy_streams[device]
+
+
+class _Stash:
+    """One layer's input: a pinned host copy (CUDA), taken back on demand; or the tensor itself off CUDA."""
+
+    def __init__(self, tensor: torch.Tensor, copy_stream, below: "weakref.ref[_Stash] | None"):
+        self.device, self.copy_stream, self.below = tensor.device, copy_stream, below
+        self.on_device = self.ready = self.source = None
+        if copy_stream is None:
+            self.host = tensor
+            return
+        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is written
+        with torch.cuda.stream(copy_stream):
+            self.host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.stored = torch.cuda.Event()
+            self.stored.record(copy_stream)
+        self.source = tensor  # kept until the copy has read it (release_source)
+
+    def copied(self) -> bool:
+        return self.stored.query()
+
+    def release_source(self) -> None:
+        """Let go of the device tensor once its copy is done (waiting for it on the host if need be)."""
+        self.stored.synchronize()
+        self.source = None
+
+    def prefetch(self) -> None:
+        """Start the copy back to the device (on the copy stream), unless the device tensor is still held."""
+        if self.copy_stream is None or self.source is not None or self.on_device is not None or self.host is None:
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.on_device = self.host.to(self.device, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.copy_stream)
+
+    def take(self) -> torch.Tensor:
+        """The input on its device, usable on the current stream; the stash lets go of it."""
+        if self.copy_stream is None:
+            tensor = self.host
+        elif self.source is not None:  # still held (one of the last layers): no round trip
+            tensor = self.source
+        else:
+            self.prefetch()
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(self.ready)
+            tensor = self.on_device
+            tensor.record_stream(compute)  # allocated on the copy stream, used on this one
+        self.host = self.on_device = self.below = self.source = None
+        return tensor
+
+
+def _rng_states(device: torch.device) -> tuple:
+    states = (torch.get_rng_state(),)
+    if device.type != "cpu":
+        states += (torch.get_device_module(device.type).get_rng_state(device),)
+    return states
+
+
+class _CheckpointedLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, function, stash, hidden_states, *args):
+        device = hidden_states.device
+        ctx.function, ctx.stash, ctx.rng = function, stash, _rng_states(device)
+        ctx.autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        tensors = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        ctx.args, ctx.tensor_positions = list(args), tensors
+        ctx.save_for_backward(*(args[i] for i in tensors))
+        for i in tensors:
+            ctx.args[i] = None
+        return function(hidden_states, *args)  # autograd is off inside Function.forward
+
+    @staticmethod
+    def backward(ctx, *grads):
+        below = ctx.stash.below and ctx.stash.below()
+        hidden_states = ctx.stash.take()
+        if below is not None:  # the next backward's input comes back while this layer recomputes
+            below.prefetch()
+        return _recompute_and_backward(ctx, hidden_states, grads)
+
+
+def _recompute_and_backward(ctx, hidden_states, grads):
+    # hidden_states: the layer's input back on its device; grads: the gradients of the layer's outputs
+    device = hidden_states.device
+    hidden_states = hidden_states.detach().requires_grad_(ctx.needs_input_grad[2])
+    args = list(ctx.args)
+    for i, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
+        args[i] = saved.detach().requires_grad_(saved.requires_grad)
+    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type), \
+            torch.enable_grad(), torch.autocast(device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+        torch.set_rng_state(ctx.rng[0])
+        if device.type != "cpu":
+            torch.get_device_module(device.type).set_rng_state(ctx.rng[1], device)
+        outputs = ctx.function(hidden_states, *args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    pairs = [(out, grad) for out, grad in zip(outputs, grads)
+             if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None]
+    if pairs:
+        torch.autograd.backward(*zip(*pairs))
+    arg_grads = [None] * len(args)
+    for i in ctx.tensor_positions:
+        arg_grads[i] = args[i].grad if args[i].requires_grad else None
+    return (None, None, hidden_states.grad, *arg_grads)

@@ -1,0 +1,61 @@
+"""lorafuse.nn.offloaded_checkpoint on a stack of small torch layers: gradients equal the uncheckpointed stack's,
+dropout included; extra tensor arguments get theirs; a forward without a backward keeps nothing."""
+import gc
+
+import torch
+from torch import nn
+
+from lorafuse.nn.offloaded_checkpoint import OffloadedCheckpoint, _Stash
+
+
+class Block(nn.Module):
+    """x + W2 dropout(gelu(W1 x)) * gate: a residual block with dropout, and a second tensor input."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down, self.dropout = nn.Linear(width, 2 * width), nn.Linear(2 * width, width), nn.Dropout(0.4)
+
+    def forward(self, x, gate):
+        return x + self.down(self.dropout(nn.functional.gelu(self.up(x)))) * gate
+
+
+def run(blocks, x, gate, checkpoint):
+    # x: [B, T, W], gate: [W] -> the loss, after its backward
+    for block in blocks:
+        x = checkpoint(block, x, gate) if checkpoint else block(x, gate)
+    loss = x.square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def test_gradients_equal_the_uncheckpointed_stack():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block(12) for _ in range(3)).train()
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    gate = torch.rand(12, requires_grad=True)
+    results = []
+    for checkpoint in (None, OffloadedCheckpoint()):
+        blocks.zero_grad(set_to_none=True)
+        x.grad = gate.grad = None
+        torch.manual_seed(7)  # the dropout masks
+        loss = run(blocks, x, gate, checkpoint)
+        results.append((loss, x.grad, gate.grad, [p.grad for p in blocks.parameters()]))
+    (loss, dx, dgate, grads), (loss_c, dx_c, dgate_c, grads_c) = results
+    assert torch.equal(loss, loss_c)
+    assert dx is not None and dgate is not None and all(g is not None for g in grads)
+    torch.testing.assert_close(dx_c, dx, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dgate_c, dgate, rtol=1e-6, atol=1e-7)
+    for got, want in zip(grads_c, grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_forward_without_backward_frees_its_stashes():
+    blocks = nn.ModuleList(Block(8) for _ in range(3))
+    checkpoint = OffloadedCheckpoint()
+    x = torch.randn(3, 8, requires_grad=True)
+    out = x
+    for block in blocks:
+        out = checkpoint(block, out, torch.ones(8))
+    del out
+    gc.collect()
+    assert not [obj for obj in gc.get_objects() if isinstance(obj, _Stash)]
