@@ -81,11 +81,6 @@ def _fused_loss_forward(module: nn.Module, *args, **kwargs):
     targets = next_token_labels(kwargs.pop("labels"), **kwargs)
     labelled = LabelledCount.start(targets, kwargs.get("ignore_index", IGNORE_INDEX))  # on the host by the loss
     kwargs.pop("logits_to_keep", None)
-    # No KV cache built in training: its copies of every layer's keys and values would live through the forward.
-    # Under torch.compile transformers' default stays: without a cache its mask function closes over a traced tensor
-    # (the packed-sequence check), which the attention's mask check cannot read.
-    if kwargs.get("use_cache") is None and not torch.compiler.is_compiling():
-        kwargs["use_cache"] = False
     outputs = module.model(**kwargs)  # the loss arguments go to the model too, as transformers passes them
     loss = causal_lm_loss(outputs.last_hidden_state, module.lm_head.weight, targets, labelled=labelled, **kwargs)
     rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}

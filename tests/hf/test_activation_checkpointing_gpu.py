@@ -16,7 +16,7 @@ from lorafuse.nn import offloaded_checkpoint
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a GPU and Triton's compiled kernels (TRITON_INTERPRET=0)")
 
-BATCH, LENGTH, HIDDEN, LAYERS = 2, 2048, 512, 8
+BATCH, LENGTH, HIDDEN, LAYERS = 2, 2048, 512, 16
 
 
 def step(checkpointing) -> dict:
@@ -56,5 +56,6 @@ def test_offload_equals_no_checkpointing_and_keeps_less_on_the_gpu(monkeypatch):
     assert offloaded["loss"] == plain["loss"]
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(offloaded["grads"][name], grad, rtol=2e-2, atol=1e-3, msg=name)
+    # offloaded, the GPU holds at most MAX_COPIES_IN_FLIGHT layer inputs, the one in use and the one prefetched
     layer_input = BATCH * LENGTH * HIDDEN * 2  # bytes of one layer's bf16 input
-    assert offloaded["peak"] < kept["peak"] - (LAYERS - 3) * layer_input < plain["peak"]
+    assert offloaded["peak"] < kept["peak"] - (LAYERS - 6) * layer_input < plain["peak"]
