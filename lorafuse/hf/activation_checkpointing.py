@@ -1,10 +1,13 @@
-"""Activation checkpointing of a transformers model's decoder layers: recomputed in the backward, their inputs kept
-on the GPU (`True`, transformers' own non-reentrant checkpointing) or in pinned host memory ("offload",
-lorafuse.nn.offloaded_checkpoint)."""
+"""Activation checkpointing of a transformers model's decoder layers (lorafuse.nn.layer_checkpoint): recomputed in the
+backward, their inputs kept on the GPU (True) or in pinned host memory ("offload").
+
+transformers' own checkpointing sets the layers' flags and makes the embeddings' output require grad; the checkpoint
+function it gives each layer (torch's non-reentrant checkpoint, whose saved-tensor hooks cost host time on every saved
+tensor) is then replaced by lorafuse's."""
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ..nn.offloaded_checkpoint import OffloadedCheckpoint
+from ..nn.layer_checkpoint import LayerCheckpoint
 
 MODES = (False, True, "offload")
 
@@ -28,14 +31,13 @@ def enable_activation_checkpointing(model: nn.Module, mode=True) -> nn.Module:
     mode = checkpointing_mode(mode)
     if mode is False:
         return model
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": False}  # torch's checkpoint, replaced below
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if mode == "offload":
-        offloaded = OffloadedCheckpoint()  # one for all layers: each layer's backward prefetches the one below's input
-        for layer in model.modules():
-            if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing:
-                layer._gradient_checkpointing_func = offloaded
+    checkpoint = LayerCheckpoint(offload=mode == "offload")  # one for all layers: each prefetches the one below's input
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing:
+            layer._gradient_checkpointing_func = checkpoint
     return model

@@ -6,7 +6,7 @@ from peft import LoraConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import lorafuse
-from lorafuse.nn.offloaded_checkpoint import OffloadedCheckpoint
+from lorafuse.nn.layer_checkpoint import LayerCheckpoint
 
 from .families import batch, tiny_model
 
@@ -39,14 +39,16 @@ def test_activation_checkpointing_recomputes_the_forward_with_the_same_dropout_m
         torch.testing.assert_close(grads_again[name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_offload_gives_every_decoder_layer_one_offloaded_checkpoint():
+@pytest.mark.parametrize("checkpointing", [True, "offload"])
+def test_every_decoder_layer_gets_one_layer_checkpoint(checkpointing):
     model = lorafuse.get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"]),
-                                    activation_checkpointing="offload")
+                                    activation_checkpointing=checkpointing)
     functions = {id(layer._gradient_checkpointing_func) for layer in model.modules()
                  if isinstance(layer, GradientCheckpointingLayer)}
     layers = [layer for layer in model.modules() if isinstance(layer, GradientCheckpointingLayer)]
     assert len(layers) == 2 and len(functions) == 1
-    assert isinstance(layers[0]._gradient_checkpointing_func, OffloadedCheckpoint)
+    assert isinstance(layers[0]._gradient_checkpointing_func, LayerCheckpoint)
+    assert layers[0]._gradient_checkpointing_func.offload == (checkpointing == "offload")
     # transformers' call turns it off (its newer name where it has one)
     (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     assert not any(layer.gradient_checkpointing for layer in layers)

@@ -11,7 +11,7 @@ from peft import LoraConfig
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lorafuse
-from lorafuse.nn import offloaded_checkpoint
+from lorafuse.nn import layer_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a GPU and Triton's compiled kernels (TRITON_INTERPRET=0)")
@@ -43,16 +43,16 @@ def step(checkpointing) -> dict:
 
 def test_offload_equals_no_checkpointing_and_keeps_less_on_the_gpu(monkeypatch):
     stashed = []
-    real_stash = offloaded_checkpoint._Stash
+    real_stash = layer_checkpoint._Stash
 
     def recorded(tensor, copy_stream, below):
         stash = real_stash(tensor, copy_stream, below)
         stashed.append((stash.host.device.type, stash.host.is_pinned()))
         return stash
 
-    monkeypatch.setattr(offloaded_checkpoint, "_Stash", recorded)
+    monkeypatch.setattr(layer_checkpoint, "_Stash", recorded)
     plain, kept, offloaded = step(False), step(True), step("offload")
-    assert stashed == [("cpu", True)] * LAYERS
+    assert stashed == [("cuda", False)] * LAYERS + [("cpu", True)] * LAYERS  # kept, then offloaded
     assert offloaded["loss"] == plain["loss"]
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(offloaded["grads"][name], grad, rtol=2e-2, atol=1e-3, msg=name)

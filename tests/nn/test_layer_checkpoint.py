@@ -1,11 +1,11 @@
-"""lorafuse.nn.offloaded_checkpoint on a stack of small torch layers: gradients equal the uncheckpointed stack's,
+"""lorafuse.nn.layer_checkpoint on a stack of small torch layers: gradients equal the uncheckpointed stack's,
 dropout included; extra tensor arguments get theirs; a forward without a backward keeps nothing."""
 import gc
 
 import torch
 from torch import nn
 
-from lorafuse.nn.offloaded_checkpoint import OffloadedCheckpoint, _Stash
+from lorafuse.nn.layer_checkpoint import LayerCheckpoint, _Stash
 
 
 class Block(nn.Module):
@@ -34,24 +34,25 @@ def test_gradients_equal_the_uncheckpointed_stack():
     x = torch.randn(2, 5, 12, requires_grad=True)
     gate = torch.rand(12, requires_grad=True)
     results = []
-    for checkpoint in (None, OffloadedCheckpoint()):
+    for checkpoint in (None, LayerCheckpoint(), LayerCheckpoint(offload=True)):
         blocks.zero_grad(set_to_none=True)
         x.grad = gate.grad = None
         torch.manual_seed(7)  # the dropout masks
         loss = run(blocks, x, gate, checkpoint)
         results.append((loss, x.grad, gate.grad, [p.grad for p in blocks.parameters()]))
-    (loss, dx, dgate, grads), (loss_c, dx_c, dgate_c, grads_c) = results
-    assert torch.equal(loss, loss_c)
+    (loss, dx, dgate, grads), *checkpointed = results
     assert dx is not None and dgate is not None and all(g is not None for g in grads)
-    torch.testing.assert_close(dx_c, dx, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(dgate_c, dgate, rtol=1e-6, atol=1e-7)
-    for got, want in zip(grads_c, grads):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for loss_c, dx_c, dgate_c, grads_c in checkpointed:  # on the GPU, or offloaded (off CUDA: where it is)
+        assert torch.equal(loss, loss_c)
+        torch.testing.assert_close(dx_c, dx, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(dgate_c, dgate, rtol=1e-6, atol=1e-7)
+        for got, want in zip(grads_c, grads):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_a_forward_without_backward_frees_its_stashes():
     blocks = nn.ModuleList(Block(8) for _ in range(3))
-    checkpoint = OffloadedCheckpoint()
+    checkpoint = LayerCheckpoint(offload=True)
     x = torch.randn(3, 8, requires_grad=True)
     out = x
     for block in blocks:

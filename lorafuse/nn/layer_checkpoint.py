@@ -1,13 +1,17 @@
-"""Activation checkpointing whose saved inputs wait in pinned host memory: between its forward and its backward, a
-checkpointed layer keeps nothing on the GPU (beyond the MAX_COPIES_IN_FLIGHT newest inputs, while their copies run).
+"""Activation checkpointing of a stack of layers: each layer keeps only its input between its forward and its
+backward, on the GPU or (offload) in pinned host memory.
 
-`OffloadedCheckpoint` is a checkpoint function, called as `torch.utils.checkpoint.checkpoint` is: `(function,
+`LayerCheckpoint` is a checkpoint function, called as `torch.utils.checkpoint.checkpoint` is: `(function,
 hidden_states, *args)`. transformers' decoder layers take one as their `_gradient_checkpointing_func`. Each call runs
-`function` without autograd and copies `hidden_states` to pinned host memory on a copy stream, overlapped with the
-next layers' forward. Its backward takes the copy back (the layer below's is prefetched on the copy stream meanwhile,
-overlapped with this layer's recompute), runs `function` again with autograd under the forward's RNG state and
-autocast (the same dropout masks) and backpropagates through it. This is Unsloth's offloaded gradient checkpointing
-and torchtune's activation offloading, per layer input. Off CUDA the input simply stays where it is.
+`function` without autograd (nothing saved: no saved-tensor hooks per tensor, as torch's non-reentrant checkpoint
+needs). Its backward runs `function` again with autograd under the forward's RNG state and autocast (the same dropout
+masks) and backpropagates through it.
+
+With offload, the input is copied to pinned host memory on a copy stream, overlapped with the next layers' forward;
+between its forward and its backward the layer then keeps nothing on the GPU (beyond the MAX_COPIES_IN_FLIGHT newest
+inputs, while their copies run). The backward takes the copy back, the layer below's prefetched on the copy stream
+meanwhile, overlapped with this layer's recompute. This is Unsloth's offloaded gradient checkpointing and torchtune's
+activation offloading, per layer input. Off CUDA the input stays where it is.
 
 The first layer's input needs requires_grad (transformers' `enable_input_require_grads`, set by its
 `activation_checkpointing_enable`), or no gradient reaches the layers' parameters: as with reentrant checkpointing.
@@ -22,11 +26,12 @@ import torch
 MAX_COPIES_IN_FLIGHT = 2  # layer inputs held on the GPU until their copy to the host is known done
 
 
-class OffloadedCheckpoint:
-    """A checkpoint function for a stack of layers (one instance per model: it links each layer's stash to the one
-    below, to prefetch it, and bounds the inputs still on the GPU while their copies run)."""
+class LayerCheckpoint:
+    """A checkpoint function for a stack of layers (one instance per model: with offload, it links each layer's stash
+    to the one below, to prefetch it, and bounds the inputs still on the GPU while their copies run)."""
 
-    def __init__(self):
+    def __init__(self, offload: bool = False):
+        self.offload = offload
         self._copy_streams = {}  # device -> the stream that copies stashes to and from the host
         self._newest = None  # a weak reference to the last stash made: the one below the next
         self._copying = collections.deque()  # stashes whose device tensor may still be read by its copy
@@ -44,7 +49,7 @@ class OffloadedCheckpoint:
         return _CheckpointedLayer.apply(function, stash, hidden_states, *args)
 
     def _copy_stream(self, device: torch.device):
-        if device.type != "cuda":
+        if not self.offload or device.type != "cuda":
             return None
         if device not in self._copy_streams:
             self._copy_streams[device] = torch.cuda.Stream(device)
@@ -52,7 +57,7 @@ class OffloadedCheckpoint:
 
 
 class _Stash:
-    """One layer's input: a pinned host copy (CUDA), taken back on demand; or the tensor itself off CUDA."""
+    """One layer's input: a pinned host copy (offload on CUDA), taken back on demand; or the tensor itself."""
 
     def __init__(self, tensor: torch.Tensor, copy_stream, below: "weakref.ref[_Stash] | None"):
         self.device, self.copy_stream, self.below = tensor.device, copy_stream, below
