@@ -7,9 +7,7 @@ activation (Mistral, Qwen2 and Qwen3 share both), or LlamaAttention's with Llama
 compared as bytecode, names and constants, so a model whose module computes anything else keeps it. Its instance then
 gets a `forward` attribute (a KernelForward) that computes the same on the kernels, forward and backward; deleting
 that attribute gives transformers' forward back. Modules that already have an instance forward (accelerate's hooks
-set one) are left alone. The MLP's down projection does not keep its input, the SwiGLU product, for its backward: the
-backward recomputes it from gate and up (ops.model.silu_mul.product_recomputed), one activation-sized tensor fewer per
-layer.
+set one) are left alone.
 """
 import contextlib
 import inspect
@@ -18,15 +16,13 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, eager_attention_forward
 
 from ..ops.model.rms_norm import rms_norm
 from ..ops.model.rope import rope
-from ..nn.layer_checkpoint import LayerCheckpoint
-from ..ops.model.silu_mul import product_recomputed, silu_mul
+from ..ops.model.silu_mul import silu_mul
 
 # What LlamaAttention.forward calls by name from its module: a model file with the same forward may define them
 # otherwise (GLM's and Helium's rotations are interleaved or partial)
@@ -67,23 +63,9 @@ def _rms_norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.T
     return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
-def _swiglu_mlp_forward(module: nn.Module, x: torch.Tensor, layer: nn.Module | None = None) -> torch.Tensor:
-    # as LlamaMLP.forward, the projections called in the same order (dropout draws stay in step); layer: the decoder
-    # layer around the MLP, if any
-    gate, up = module.gate_proj(x), module.up_proj(x)
-    product = silu_mul(gate, up)
-    # No autograd, or torch.compile (which decides what to save itself), or torch's checkpoint (which recomputes it
-    # anyway, and whose saved-tensor hooks must see every saved tensor): the product goes as it is
-    if torch.compiler.is_compiling() or product.grad_fn is None or _checkpointed_by_torch(layer):
-        return module.down_proj(product)
-    with product_recomputed(product, gate, up):  # the down projection's input: recomputed in the backward
-        return module.down_proj(product)
-
-
-def _checkpointed_by_torch(layer: nn.Module | None) -> bool:
-    """Whether `layer` runs under torch's checkpoint (transformers' own activation checkpointing), not lorafuse's."""
-    return (layer is not None and getattr(layer, "gradient_checkpointing", False)
-            and not isinstance(getattr(layer, "_gradient_checkpointing_func", None), LayerCheckpoint))
+def _swiglu_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # as LlamaMLP.forward, the projections called in the same order (dropout draws stay in step)
+    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
 
 
 def _llama_attention_forward(module: nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
@@ -130,17 +112,6 @@ class KernelForward:
         return self.fn(self.module, *args, **kwargs)
 
 
-class MlpForward(KernelForward):
-    """The SwiGLU MLP's kernel forward, told the decoder layer around it (a plain attribute, not a submodule)."""
-
-    def __init__(self, module: nn.Module, fn, layer: nn.Module | None):
-        super().__init__(module, fn)
-        self.layer = layer
-
-    def __call__(self, x):
-        return self.fn(self.module, x, self.layer)
-
-
 def llama_rms_norms(model: nn.Module) -> list[nn.Module]:
     """The RMSNorm modules of `model` that compute exactly as LlamaRMSNorm, with transformers' forward."""
     return [m for m in model.modules() if _runs_code_of(m, LlamaRMSNorm)]
@@ -185,12 +156,9 @@ def use_model_kernels(model: nn.Module) -> int:
     modules."""
     taken = ((llama_rms_norms(model), _rms_norm_forward), (swiglu_mlps(model), _swiglu_mlp_forward),
              (llama_attentions(model), _llama_attention_forward))
-    layer_of = {id(sub): layer for layer in model.modules() if isinstance(layer, GradientCheckpointingLayer)
-                for sub in layer.modules()}
     for modules, forward in taken:
         for module in modules:
-            module.forward = (MlpForward(module, forward, layer_of.get(id(module))) if forward is _swiglu_mlp_forward
-                              else KernelForward(module, forward))
+            module.forward = KernelForward(module, forward)
     return sum(len(modules) for modules, _ in taken)
 
 

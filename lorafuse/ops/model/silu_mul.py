@@ -5,7 +5,6 @@ more activation-sized tensor per layer) and about five backward. Here one kernel
 silu(gate) from gate, which it reads anyway.
 """
 
-import contextlib
 import functools
 
 import torch
@@ -149,39 +148,3 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SiluMul.apply(gate_c, up_c)
     return _forward(gate_c, up_c)
-
-
-class _Recomputed:
-    """A saved view of a silu_mul product, kept as the product's inputs."""
-
-    def __init__(self, gate, up, view):
-        self.gate, self.up = gate, up
-        self.shape, self.stride, self.offset = view.shape, view.stride(), view.storage_offset()
-
-    def tensor(self) -> torch.Tensor:
-        return _forward(self.gate, self.up).as_strided(self.shape, self.stride, self.offset)
-
-
-@contextlib.contextmanager
-def product_recomputed(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
-    """Ops run within that save `product` (silu_mul(gate, up), made by the kernel) or a view of it for their backward
-    keep gate and up instead, which silu_mul's backward keeps anyway, and recompute it there (one elementwise kernel):
-    one activation-sized tensor fewer per MLP than the down projection saving its input. A product that silu_mul's
-    kernel did not make (the reference, no autograd, torch.compile) is saved as it is."""
-    # product, gate, up: [...]; a product of the kernel is contiguous, so a recomputed one has its layout
-    grad_fn = product.grad_fn
-    if grad_fn is None or grad_fn.name() != "_SiluMulBackward" or not (gate.is_contiguous() and up.is_contiguous()):
-        yield
-        return
-    storage = product.untyped_storage().data_ptr()
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() == storage and tensor.dtype == product.dtype:
-            return _Recomputed(gate, up, tensor)
-        return tensor
-
-    def unpack(saved):
-        return saved.tensor() if isinstance(saved, _Recomputed) else saved
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
