@@ -5,9 +5,10 @@ dependency: pip install matplotlib).
     python benchmarks/plot_memory.py                     # the newest run's rows -> docs/memory.png
     python benchmarks/plot_memory.py --csv DIR/memory.csv --out /tmp/memory.png
     python benchmarks/plot_memory.py --date 2026-11-29 --commit 9c1fdea
+    python benchmarks/plot_memory.py --date 2026-11-29 --commit c2adf8d,2df3126   # a grid measured across commits
 
 The newest run: the rows of the last row's date and commit (a grid split across several calls on one commit and
-day is one run); --date / --commit pick another. Where a provider and context appear more than once, the last row
+day is one run); --date / --commit pick another, --commit also several (comma-separated), the title naming them. Where a provider and context appear more than once, the last row
 counts. x: tokens per step (batch x seq), log2 scale, ticked with the contexts; y: peak_GiB (max_memory_allocated).
 A provider that ran out of memory has its line run on, dotted, to an x at the top of the axis over the first context
 it ran out at (bench_memory does not try its longer ones); skipped and failed cells are left out, as are rows
@@ -24,14 +25,14 @@ PNG = os.path.join(ROOT, "docs", "memory.png")
 MARKERS = "osD^v<>ph*"
 
 
-def newest_run(rows, date=None, commit=None):
-    """The rows of `date` and `commit`, each by default the last such row's; one row per (provider, context): the
-    last."""
-    chosen = [r for r in rows if date in (None, r["date"]) and commit in (None, r["commit"])]
+def newest_run(rows, date=None, commits=None):
+    """The rows of `date` and of `commits` (a list), by default the last row's date and commit; one row per
+    (provider, context): the last."""
+    chosen = [r for r in rows if date in (None, r["date"]) and (commits is None or r["commit"] in commits)]
     if not chosen:
         return []
-    date, commit = chosen[-1]["date"], chosen[-1]["commit"]
-    cells = {(r["provider"], r["context"]): r for r in chosen if r["date"] == date and r["commit"] == commit}
+    date, commits = chosen[-1]["date"], commits or [chosen[-1]["commit"]]
+    cells = {(r["provider"], r["context"]): r for r in chosen if r["date"] == date and r["commit"] in commits}
     return list(cells.values())
 
 
@@ -47,7 +48,7 @@ def main():
     parser.add_argument("--csv", default=CSV, help=f"bench_memory's rows ({os.path.relpath(CSV, ROOT)})")
     parser.add_argument("--out", default=PNG, help=f"the image to write ({os.path.relpath(PNG, ROOT)})")
     parser.add_argument("--date", help="the run's date (default: the last row's)")
-    parser.add_argument("--commit", help="the run's commit (default: the last row's)")
+    parser.add_argument("--commit", help="the run's commit, or several, comma-separated (default: the last row's)")
     args = parser.parse_args()
     try:
         import matplotlib
@@ -57,7 +58,7 @@ def main():
         sys.exit("plot_memory.py needs matplotlib: pip install matplotlib")
 
     with open(args.csv, newline="") as f:
-        rows = newest_run(list(csv.DictReader(f)), args.date, args.commit)
+        rows = newest_run(list(csv.DictReader(f)), args.date, args.commit and args.commit.split(","))
     measured = [r for r in rows if r["status"] == "ok" and r["peak_GiB"]]
     if not measured:
         sys.exit(f"{args.csv}: no row of that run has a peak (status ok, on a GPU)")
@@ -96,15 +97,16 @@ def main():
     ax.set_xlabel("context: tokens per step (seq, x batch)")
     ax.set_ylabel("peak GiB (max_memory_allocated)")
     first = measured[0]
+    commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
     model = {"llama1B": "Llama-3.2-1B shape"}.get(first["shape"], first["shape"])
     ax.set_title(f"LoRA r=16 training step, {model}: peak memory\n"
-                 f"{first['gpu']}, torch {first['torch']}, {first['date']}, commit {first['commit']}", fontsize=10)
+                 f"{first['gpu']}, torch {first['torch']}, {first['date']}, commits {commits}", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fig.savefig(args.out, dpi=150)
-    print(f"{args.out}: {len(measured)} points, {len(providers)} providers, run {first['date']} {first['commit']}")
+    print(f"{args.out}: {len(measured)} points, {len(providers)} providers, run {first['date']} {commits}")
 
 
 if __name__ == "__main__":
