@@ -21,8 +21,8 @@ Providers, those of this process each on a fresh model at every context (the pre
 emptied):
   peft              PEFT's LoRA layers, attn_implementation="sdpa", no checkpointing
   lorafuse          lorafuse.get_peft_model with its defaults, no checkpointing
-  lorafuse_ckpt     the same with activation_checkpointing=True: transformers' non-reentrant checkpointing of each
-                    decoder layer
+  lorafuse_ckpt     the same with activation_checkpointing=True: each decoder layer recomputed in the backward
+                    (lorafuse.nn.layer_checkpoint), its input kept on the GPU
   lorafuse_offload  activation_checkpointing="offload": that, each layer's saved input kept in pinned host memory
   unsloth           Unsloth (bench_train_step's unsloth provider), no checkpointing
   unsloth_gc        Unsloth with use_gradient_checkpointing="unsloth", its offloaded checkpointing

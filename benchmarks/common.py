@@ -266,7 +266,7 @@ def host_and_gpu_ms(step, steps=5):
 
 
 def chosen_providers(parser, names: str, providers: tuple) -> list:
-    """The comma-separated `names`, in the order of `providers` (peft_liger last: its patches are undone after it);
+    """The comma-separated `names`, in the order of `providers` (the order a script runs them in);
     a name not among them is a usage error."""
     requested = [name for name in names.split(",") if name]
     unknown = sorted(set(requested) - set(providers))

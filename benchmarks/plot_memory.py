@@ -8,11 +8,11 @@ dependency: pip install matplotlib).
     python benchmarks/plot_memory.py --date 2026-11-29 --commit c2adf8d,2df3126   # a grid measured across commits
 
 The newest run: the rows of the last row's date and commit (a grid split across several calls on one commit and
-day is one run); --date / --commit pick another, --commit also several (comma-separated), the title naming them. Where a provider and context appear more than once, the last row
-counts. x: tokens per step (batch x seq), log2 scale, ticked with the contexts; y: peak_GiB (max_memory_allocated).
-A provider that ran out of memory has its line run on, dotted, to an x at the top of the axis over the first context
-it ran out at (bench_memory does not try its longer ones); skipped and failed cells are left out, as are rows
-without a peak (CPU runs).
+day is one run); --date / --commit pick another, --commit also several (comma-separated), the title naming them.
+Where a provider and context appear more than once, the last row counts. x: tokens per step (batch x seq), log2
+scale, ticked with the contexts; y: peak_GiB (max_memory_allocated). A provider that ran out of memory has its line
+run on, dotted, to an x at the top of the axis over the first context it ran out at (bench_memory does not try its
+longer ones); skipped and failed cells are left out, as are rows without a peak (CPU runs).
 """
 import argparse
 import csv
@@ -78,7 +78,7 @@ def main():
         xs, ys = zip(*points) if points else ((), ())
         line, = ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], label=provider)
         if provider in first_oom:
-            # the line runs on, dashed, to an x at the top over the context that ran out; providers that ran out at
+            # the line runs on, dotted, to an x at the top over the context that ran out; providers that ran out at
             # the same context are spread a little sideways so that each x shows
             tokens = first_oom[provider]
             same = [p for p in providers if first_oom.get(p) == tokens]

@@ -26,8 +26,9 @@ def enable_activation_checkpointing(model: nn.Module, mode=True) -> nn.Module:
     (MODES; False leaves the model as it is); returns `model`. Turned off by transformers'
     `model.activation_checkpointing_disable()` (`gradient_checkpointing_disable()` before transformers 5.2x).
 
-    The recomputed forward draws the same dropout masks as the first. A model whose layers transformers cannot
-    checkpoint is a ValueError (transformers' own)."""
+    The recomputed forward draws the same dropout masks as the first. Gradients come from `.backward()`; under DDP,
+    find_unused_parameters must be off (HF Trainer: ddp_find_unused_parameters=False). A model whose layers
+    transformers cannot checkpoint is a ValueError."""
     mode = checkpointing_mode(mode)
     if mode is False:
         return model
@@ -37,7 +38,11 @@ def enable_activation_checkpointing(model: nn.Module, mode=True) -> nn.Module:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     checkpoint = LayerCheckpoint(offload=mode == "offload")  # one for all layers: each prefetches the one below's input
-    for layer in model.modules():
-        if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing:
-            layer._gradient_checkpointing_func = checkpoint
+    layers = [layer for layer in model.modules()
+              if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing]
+    if not layers:
+        raise ValueError(f"activation_checkpointing={mode!r}: {type(model).__name__} has no decoder layers that "
+                         "transformers checkpoints (GradientCheckpointingLayer)")
+    for layer in layers:
+        layer._gradient_checkpointing_func = checkpoint
     return model

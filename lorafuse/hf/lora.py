@@ -2,9 +2,10 @@
 
 `fuse_layers` swaps the class of every `peft.tuners.lora.Linear` on an `nn.Linear` or on
 transformers' `Conv1D` (GPT-2; PEFT's fan_in_fan_out) to `FusedLoraLinear`, a subclass that
-only overrides `forward` and reports PEFT's class name (repr, get_layer_status). Parameters, state-dict keys, merge/unmerge, adapter switching and
-saving are PEFT's own code, untouched. Other LoRA layers (Embedding, Conv2d, quantized bases...)
-keep PEFT's class, logged once per kind at fuse time. Per call, the fused path covers the
+only overrides `forward` and reports PEFT's class name (repr, get_layer_status). Parameters,
+state-dict keys, merge/unmerge, adapter switching and saving are PEFT's own code, untouched.
+Other LoRA layers (Embedding, Conv2d, quantized bases...) keep PEFT's class, logged once per
+kind at fuse time. Per call, the fused path covers the
 common case (see `_unfused_reason`); anything else runs PEFT's forward, and the reason is logged once.
 """
 from collections import defaultdict

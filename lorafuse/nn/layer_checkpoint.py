@@ -8,14 +8,17 @@ needs). Its backward runs `function` again with autograd under the forward's RNG
 masks) and backpropagates through it.
 
 With offload, the input is copied to pinned host memory on a copy stream, overlapped with the next layers' forward;
-between its forward and its backward the layer then keeps nothing on the GPU (beyond the MAX_COPIES_IN_FLIGHT newest
-inputs, while their copies run). The backward takes the copy back, the layer below's prefetched on the copy stream
-meanwhile, overlapped with this layer's recompute. This is Unsloth's offloaded gradient checkpointing and torchtune's
-activation offloading, per layer input. Off CUDA the input stays where it is.
+the GPU copy goes once that copy is done, and the host waits for the oldest copy when more than MAX_COPIES_IN_FLIGHT
+are running (the newest inputs, the last layers', stay on the GPU until their backward). The backward takes the copy
+back, the layer below's prefetched on the copy stream meanwhile, overlapped with this layer's recompute. This is
+Unsloth's offloaded gradient checkpointing and torchtune's activation offloading, per layer input. Off CUDA the input
+stays where it is.
 
-The first layer's input needs requires_grad (transformers' `enable_input_require_grads`, set by its
-`activation_checkpointing_enable`), or no gradient reaches the layers' parameters: as with reentrant checkpointing.
-The RNG state is read and set on the host, so a checkpointed step cannot be captured in a CUDA graph.
+The layers' output takes part in autograd even when their input does not (embeddings frozen); the input's own
+gradient is computed only when it requires one. Gradients come from `.backward()` (torch.autograd.grad is refused, as
+with torch's reentrant checkpoint), several times with retain_graph. Under DDP, find_unused_parameters must be off:
+the layers' parameters get their gradients inside the layers' backward, after DDP would have called them unused. The
+RNG state is read and set on the host, so a checkpointed step cannot be captured in a CUDA graph.
 """
 import collections
 import weakref
@@ -24,6 +27,7 @@ import torch
 
 
 MAX_COPIES_IN_FLIGHT = 2  # layer inputs held on the GPU until their copy to the host is known done
+_TRACKED = torch.empty(0, requires_grad=True)  # an input of every checkpointed layer: its output then needs a backward
 
 
 class LayerCheckpoint:
@@ -46,7 +50,7 @@ class LayerCheckpoint:
         # holds a bounded number of layer inputs, however far ahead of it the host runs.
         while self._copying and (len(self._copying) > MAX_COPIES_IN_FLIGHT or self._copying[0].copied()):
             self._copying.popleft().release_source()
-        return _CheckpointedLayer.apply(function, stash, hidden_states, *args)
+        return _CheckpointedLayer.apply(function, stash, _TRACKED, hidden_states, *args)
 
     def _copy_stream(self, device: torch.device):
         if not self.offload or device.type != "cuda":
@@ -60,6 +64,8 @@ class _Stash:
     """One layer's input: a pinned host copy (offload on CUDA), taken back on demand; or the tensor itself."""
 
     def __init__(self, tensor: torch.Tensor, copy_stream, below: "weakref.ref[_Stash] | None"):
+        # tensor: [..., H], the layer's input
+        tensor = tensor.detach()
         self.device, self.copy_stream, self.below = tensor.device, copy_stream, below
         self.on_device = self.ready = self.source = None
         if copy_stream is None:
@@ -83,7 +89,7 @@ class _Stash:
 
     def prefetch(self) -> None:
         """Start the copy back to the device (on the copy stream), unless the device tensor is still held."""
-        if self.copy_stream is None or self.source is not None or self.on_device is not None or self.host is None:
+        if self.copy_stream is None or self.source is not None or self.on_device is not None:
             return
         with torch.cuda.stream(self.copy_stream):
             self.on_device = self.host.to(self.device, non_blocking=True)
@@ -91,18 +97,19 @@ class _Stash:
             self.ready.record(self.copy_stream)
 
     def take(self) -> torch.Tensor:
-        """The input on its device, usable on the current stream; the stash lets go of it."""
+        """The input on its device, usable on the current stream; the stash keeps only the host copy (a second
+        backward, with retain_graph, takes it again; the graph's end frees it)."""
+        # -> [..., H] on self.device
         if self.copy_stream is None:
-            tensor = self.host
-        elif self.source is not None:  # still held (one of the last layers): no round trip
-            tensor = self.source
-        else:
-            self.prefetch()
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(self.ready)
-            tensor = self.on_device
-            tensor.record_stream(compute)  # allocated on the copy stream, used on this one
-        self.host = self.on_device = self.below = self.source = None
+            return self.host
+        if self.source is not None:  # still held (one of the last layers): no round trip
+            tensor, self.source = self.source, None
+            return tensor
+        self.prefetch()
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(self.ready)
+        tensor, self.on_device = self.on_device, None
+        tensor.record_stream(compute)  # allocated on the copy stream, used on this one
         return tensor
 
 
@@ -115,7 +122,8 @@ def _rng_states(device: torch.device) -> tuple:
 
 class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, function, stash, hidden_states, *args):
+    def forward(ctx, function, stash, _tracked, hidden_states, *args):
+        # hidden_states: [..., H]; args: the layer's other positional inputs -> function(hidden_states, *args)
         device = hidden_states.device
         ctx.function, ctx.stash, ctx.rng = function, stash, _rng_states(device)
         ctx.autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
@@ -128,6 +136,9 @@ class _CheckpointedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():  # torch's reentrant checkpoint's own test
+            raise RuntimeError("activation checkpointing (lorafuse.nn.layer_checkpoint) works with .backward(), not "
+                               "torch.autograd.grad: the layers' recompute accumulates into their parameters' .grad")
         below = ctx.stash.below and ctx.stash.below()
         hidden_states = ctx.stash.take()
         if below is not None:  # the next backward's input comes back while this layer recomputes
@@ -138,7 +149,7 @@ class _CheckpointedLayer(torch.autograd.Function):
 def _recompute_and_backward(ctx, hidden_states, grads):
     # hidden_states: the layer's input back on its device; grads: the gradients of the layer's outputs
     device = hidden_states.device
-    hidden_states = hidden_states.detach().requires_grad_(ctx.needs_input_grad[2])
+    hidden_states = hidden_states.detach().requires_grad_(ctx.needs_input_grad[3])
     args = list(ctx.args)
     for i, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
         args[i] = saved.detach().requires_grad_(saved.requires_grad)
@@ -156,4 +167,4 @@ def _recompute_and_backward(ctx, hidden_states, grads):
     arg_grads = [None] * len(args)
     for i in ctx.tensor_positions:
         arg_grads[i] = args[i].grad if args[i].requires_grad else None
-    return (None, None, hidden_states.grad, *arg_grads)
+    return (None, None, None, hidden_states.grad, *arg_grads)

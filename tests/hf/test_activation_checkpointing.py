@@ -59,3 +59,15 @@ def test_an_unknown_mode_names_the_allowed_values(value):
     with pytest.raises(ValueError, match="activation_checkpointing=.*allowed values are false, true, offload"):
         lorafuse.get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"]),
                                 activation_checkpointing=value)
+
+
+def test_a_model_without_checkpointable_layers_is_refused(monkeypatch):
+    from lorafuse.hf import activation_checkpointing
+
+    class NotALayer:
+        pass
+
+    monkeypatch.setattr(activation_checkpointing, "GradientCheckpointingLayer", NotALayer)
+    with pytest.raises(ValueError, match="has no decoder layers that transformers checkpoints"):
+        lorafuse.get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"]),
+                                activation_checkpointing=True)

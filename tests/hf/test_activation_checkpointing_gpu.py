@@ -1,7 +1,8 @@
 """Offloaded activation checkpointing on the GPU: the same loss and gradients as no checkpointing (dropout on), layer
 inputs waiting in pinned host memory, and less GPU memory than checkpointing that keeps them on the GPU.
 
-Needs CUDA and Triton's compiled kernels: TRITON_INTERPRET=0 python -m pytest -q tests/hf/test_activation_checkpointing_gpu.py
+Needs CUDA and Triton's compiled kernels:
+    TRITON_INTERPRET=0 python -m pytest -q tests/hf/test_activation_checkpointing_gpu.py
 """
 import os
 

@@ -1,7 +1,9 @@
 """lorafuse.nn.layer_checkpoint on a stack of small torch layers: gradients equal the uncheckpointed stack's,
-dropout included; extra tensor arguments get theirs; a forward without a backward keeps nothing."""
+dropout included; extra tensor arguments get theirs; retain_graph, an input without gradient, torch.autograd.grad; a
+forward without a backward keeps nothing."""
 import gc
 
+import pytest
 import torch
 from torch import nn
 
@@ -60,3 +62,46 @@ def test_a_forward_without_backward_frees_its_stashes():
     del out
     gc.collect()
     assert not [obj for obj in gc.get_objects() if isinstance(obj, _Stash)]
+
+
+def test_a_second_backward_with_retain_graph_adds_the_same_gradients_again():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block(8) for _ in range(2)).train()
+    x, gate = torch.randn(3, 8, requires_grad=True), torch.rand(8)
+    grads = []
+    for checkpoint in (None, LayerCheckpoint()):
+        blocks.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        out = x
+        for block in blocks:
+            out = checkpoint(block, out, gate) if checkpoint else block(out, gate)
+        loss = out.square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([p.grad.clone() for p in blocks.parameters()])
+    for got, want in zip(*grads[::-1]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_parameters_get_gradients_when_the_input_needs_none():
+    # frozen embeddings: the first layer's input does not require grad, its parameters still train
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block(8) for _ in range(2)).train()
+    x, gate = torch.randn(3, 8), torch.rand(8)
+    grads = []
+    for checkpoint in (None, LayerCheckpoint()):
+        blocks.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        run(blocks, x, gate, checkpoint)
+        grads.append([p.grad for p in blocks.parameters()])
+    assert all(g is not None for g in grads[1])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_autograd_grad_is_refused_with_a_reason():
+    block = Block(8)
+    x = torch.randn(3, 8, requires_grad=True)
+    loss = LayerCheckpoint()(block, x, torch.rand(8)).sum()
+    with pytest.raises(RuntimeError, match=r"works with \.backward\(\), not torch\.autograd\.grad"):
+        torch.autograd.grad(loss, [x])

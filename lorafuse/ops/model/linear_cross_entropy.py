@@ -203,8 +203,8 @@ _linear_cross_entropy_op.register_autograd(_linear_cross_entropy_op_backward,
 
 class LabelledCount:
     """The number of labels other than ignore_index, counted on the device and copied to the host without waiting:
-    made at the start of a forward, read at its loss, so that the host never waits for it. None where no host read
-    may happen (`start`)."""
+    made at the start of a forward and read at its loss, so that the host rarely waits for it (only when the GPU is
+    more than a forward behind). None where no host read may happen (`start`)."""
 
     def __init__(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
         # labels: [N] -> a count of one element, on its way to pinned host memory
@@ -215,7 +215,7 @@ class LabelledCount:
         self._host = torch.empty((), dtype=count.dtype, device="cpu", pin_memory=True)
         self._host.copy_(count, non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(labels.device))  # the copy's stream, current device or not
 
     @classmethod
     def start(cls, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> "LabelledCount | None":
