@@ -231,15 +231,17 @@ def test_profile_writes_a_chrome_trace_and_prints_the_top_kernels(tmp_path):
     assert "top 15 by self_cpu_time_total" in run.stdout + run.stderr
 
 
-def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize("checkpointing", ["false", "offload"])
+def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, checkpointing):
     """torchrun with 2 CPU processes (gloo; DDP as on GPUs) against one process with grad_accum=2: the same samples
-    per step and the same token-weighted loss, so the same losses up to the all-reduce's rounding."""
+    per step and the same token-weighted loss, so the same losses up to the all-reduce's rounding; also with the 2
+    processes' decoder layers checkpointed (their parameters' gradients come from the layers' own backward)."""
     # dropout 0: each process draws its own masks, so with dropout the runs would differ by design
     settings = [*QUICK, "train.max_steps=4", "train.eval_every=2", "train.save_every_n_steps=2", "lora.dropout=0"]
     one, two = tmp_path / "one", tmp_path / "two"
     run_recipe(*settings, "train.grad_accum=2", f"run_dir={one}")
-    run = run_recipe(*settings, "train.grad_accum=1", f"run_dir={two}", launcher=["-m", "torch.distributed.run",
-                                                                               "--nproc_per_node", "2"])
+    run = run_recipe(*settings, "train.grad_accum=1", f"train.activation_checkpointing={checkpointing}",
+                     f"run_dir={two}", launcher=["-m", "torch.distributed.run", "--nproc_per_node", "2"])
     assert run.stdout.count("step 4/4") + run.stderr.count("step 4/4") == 1  # only the main process logs
     assert (two / "finetune.log").read_text().count("step 4/4") == 1
     for name in ("loss", "grad_norm", "eval_loss"):
