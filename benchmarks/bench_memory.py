@@ -4,6 +4,7 @@ without its offloaded checkpointing, on the Llama-3.2-1B shape from batch 4 x 2k
 
     python benchmarks/bench_memory.py                          # the whole grid
     python benchmarks/bench_memory.py --providers peft,peft_liger,lorafuse --contexts 2048x4,16384,32768
+    python benchmarks/bench_memory.py --shape llama8B_L8 --contexts 2048x4   # Llama-3.1-8B's shape with 8 layers
     python benchmarks/bench_memory.py --out DIR                # rows to DIR/memory.csv instead of the defaults
     python benchmarks/plot_memory.py                           # docs/memory.png from the newest run's rows
 
@@ -340,6 +341,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=STEPS, help=f"timed training steps ({STEPS})")
     parser.add_argument("--out", action="append", metavar="DIR",
                         help="write memory.csv under DIR (repeatable) instead of benchmarks/results and $OUT")
+    parser.add_argument("--shape", default="llama1B", choices=[s for s in SHAPES if s != "tiny"],
+                        help="bench_train_step's model shape (llama1B; llama8B_L8: Llama-3.1-8B with 8 layers)")
     parser.add_argument("--commit", help="the commit the rows record (default: git's; for a tree without .git)")
     parser.add_argument("--unsloth-site", default="/tmp/unsloth_site",
                         help="the folder the Unsloth wheels are installed into (shared/gpu-wheels-unsloth/README.md)")
@@ -362,7 +365,7 @@ def main():
         from tests import triton_interpreter  # noqa: F401  (bf16 in the interpreter computes as on a GPU)
     # bench_train_step.base_model builds every model from its LLAMA: room for the longest context
     bench_train_step.LLAMA["max_position_embeddings"] = MAX_POSITIONS
-    shape = "tiny" if args.tiny else "llama1B"
+    shape = "tiny" if args.tiny else args.shape
     env = dict(environment(), commit=commit(args.commit))
     dirs = result_dirs(args.out, dry_run=device.type != "cuda")
     start, watch, table = time.perf_counter(), LogWatch(), {}
