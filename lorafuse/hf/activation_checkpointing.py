@@ -15,10 +15,11 @@ MODES = (False, True, "offload")
 def checkpointing_mode(value, key: str = "activation_checkpointing"):
     """`value` as one of MODES (the strings "false" and "true" as booleans, as Hydra and command lines give them);
     anything else is a ValueError naming `key` and the allowed values."""
+    by_text = {str(mode).lower(): mode for mode in MODES}
     text = str(value).lower() if isinstance(value, (bool, str)) else None
-    if text not in ("false", "true", "offload"):
-        raise ValueError(f"{key}={value!r}: allowed values are false, true, offload")
-    return {"false": False, "true": True}.get(text, text)
+    if text not in by_text:
+        raise ValueError(f"{key}={value!r}: allowed values are {', '.join(by_text)}")
+    return by_text[text]
 
 
 def enable_activation_checkpointing(model: nn.Module, mode=True) -> nn.Module:
